@@ -1,0 +1,131 @@
+// ResilientBackend: the c10d::Backend behind "resilient_tcp" and "resilient_nccl".
+//
+// Every collective torch dispatches is checked here (tensor lists, dtypes, devices,
+// contiguity, reduction ops) and then queued, in call order, on this backend's worker thread,
+// which runs it on the communicator with a deadline of the op's timeout measured from the
+// call. The Work returned completes when the op does; its error is the communicator's Status
+// turned into a DistBackendError.
+//
+// Threads: any Python thread may issue ops (they are serialised by the queue); abort() may be
+// called from any thread and returns at once; the destructor drains nothing: it aborts
+// pending ops if the communicator is unhealthy, then joins the worker.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "backend/resilient_work.h"
+#include "comm/communicator.h"
+
+namespace resilient_comm {
+
+struct BackendOptions {
+  std::string backendName;  // "resilient_tcp" or "resilient_nccl"
+  std::string groupName;
+  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+};
+
+class ResilientBackend : public c10d::Backend {
+ public:
+  ResilientBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size, BackendOptions opts);
+  ~ResilientBackend() override;
+
+  const std::string getBackendName() const override {
+    return opts_.backendName;
+  }
+  void setTimeout(std::chrono::milliseconds timeout) override;
+  c10d::ErrorType getError() override;
+  void abort() override;
+  void shutdown() override;
+  uint64_t getSequenceNumberForGroup() override;
+  void setSequenceNumberForGroup() override {}
+
+  // Aborts with a reason (the Python API's resilient_comm.abort()).
+  void abortWithReason(const std::string& reason);
+  // The communicator's first error, or Ok.
+  Status commError() const;
+  std::shared_ptr<Communicator> cpuComm() const {
+    return cpu_;
+  }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outputSplitSizes,
+                                               std::vector<int64_t>& inputSplitSizes,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+ private:
+  using Body = std::function<Status(Communicator&, const Deadline&)>;
+
+  // Queues `body` on the worker; the Work completes with its Status.
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                         std::chrono::milliseconds timeout, Body body);
+  // The communicator for these tensors' device, after checking they share it.
+  Communicator& commFor(const std::vector<at::Tensor>& tensors, const char* op);
+  void workerLoop();
+
+  const BackendOptions opts_;
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<Communicator> cpu_;
+
+  // A task runs `body`, or, for send/recv, contributes `p2p`: consecutive queued send/recv
+  // tasks run as one group so that two ranks exchanging large messages do not deadlock.
+  struct Task {
+    c10::intrusive_ptr<ResilientWork> work;
+    Deadline deadline;
+    Body body;
+    std::optional<P2POp> p2p;
+  };
+  c10::intrusive_ptr<c10d::Work> enqueueP2P(c10d::OpType type, const at::Tensor& t, P2POp op);
+  void runP2PGroup(std::vector<Task>& group);
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Task> queue_;
+  bool stopping_ = false;
+  uint64_t enqueued_ = 0;
+  std::thread worker_;
+};
+
+}  // namespace resilient_comm

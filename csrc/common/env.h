@@ -1,0 +1,49 @@
+// The one table of RESILIENT_COMM_* knobs. C++ reads them through env::get*(), Python
+// through resilient_comm.config (which asks _C for this same table), and the README lists
+// them. Add a knob here and nowhere else.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace resilient_comm::env {
+
+// X(enum name, variable name, default value as text, one-line description)
+#define RC_KNOBS(X)                                                                              \
+  X(kAlgo, "RESILIENT_COMM_ALGO", "auto",                                                        \
+    "TCP collective algorithm: auto (alpha-beta cost model), ring, rd (log-depth), direct")      \
+  X(kHost, "RESILIENT_COMM_HOST", "",                                                            \
+    "address this rank publishes for TCP connections (default: the host name's IPv4 address)")   \
+  X(kChunkBytes, "RESILIENT_COMM_CHUNK_BYTES", "262144",                                         \
+    "pipelining chunk of the ring algorithms, in bytes")                                         \
+  X(kAlphaUs, "RESILIENT_COMM_ALPHA_US", "25",                                                   \
+    "cost model: latency of one message between two ranks, in microseconds")                     \
+  X(kBandwidthGBps, "RESILIENT_COMM_BANDWIDTH_GBPS", "2.0",                                      \
+    "cost model: bandwidth of one connection, in GB/s")                                          \
+  X(kNcclLib, "RESILIENT_COMM_NCCL_LIB", "",                                                     \
+    "path of the libnccl to load before trying the one torch loaded and the nvidia-nccl wheel")  \
+  X(kLogLevel, "RESILIENT_COMM_LOG_LEVEL", "warning", "debug, info, warning or error")
+
+enum class Knob {
+#define RC_KNOB_ENUM(id, name, dflt, doc) id,
+  RC_KNOBS(RC_KNOB_ENUM)
+#undef RC_KNOB_ENUM
+};
+
+struct KnobInfo {
+  const char* name;
+  const char* defaultValue;
+  const char* doc;
+};
+
+const std::vector<KnobInfo>& allKnobs();
+const KnobInfo& info(Knob knob);
+
+// The variable's value, or its default when unset or empty.
+std::string getString(Knob knob);
+// Parsed as a number; a malformed value is reported once on stderr and the default used.
+int64_t getInt(Knob knob);
+double getDouble(Knob knob);
+
+}  // namespace resilient_comm::env

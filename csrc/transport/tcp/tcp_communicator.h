@@ -1,0 +1,124 @@
+// TcpCommunicator: the Communicator contract over TCP sockets (DESIGN.md §3, TCP transport).
+//
+// Lifecycle: create() returns at once in Initializing; a detached init thread publishes this
+// rank's listening address under an epoch-scoped store key, connects a full mesh (higher
+// ranks dial lower ones) and moves to Ready. The init thread holds a shared_ptr to the
+// communicator, so dropping the last user reference during init is safe; abort() stops it
+// within ~10 ms.
+//
+// Threads: one thread at a time calls collectives/poll/waitReady (the backend's worker);
+// abort() from any thread. abort() sets the token and shutdown()s every socket, which wakes
+// the worker's poll at once; fds are closed only in the destructor.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <c10/util/intrusive_ptr.h>
+
+#include "common/abort_token.h"
+#include "comm/communicator.h"
+#include "transport/tcp/algorithms/algorithms.h"
+#include "transport/tcp/cost_model.h"
+
+namespace c10d {
+class Store;
+}
+
+namespace resilient_comm::tcp {
+
+struct TcpOptions {
+  std::string name;  // group name, for messages
+  c10::intrusive_ptr<c10d::Store> store;
+  std::string prefix;  // store key prefix; the communicator adds its epoch
+  int rank = 0;
+  int size = 1;
+};
+
+class TcpCommunicator : public Communicator, public std::enable_shared_from_this<TcpCommunicator> {
+ public:
+  // Starts a non-blocking init that must finish by `initDeadline`.
+  static std::shared_ptr<TcpCommunicator> create(TcpOptions opts, const Deadline& initDeadline);
+  ~TcpCommunicator() override;
+
+  const std::string& name() const override {
+    return opts_.name;
+  }
+  int rank() const override {
+    return opts_.rank;
+  }
+  int size() const override {
+    return opts_.size;
+  }
+  Caps caps() const override {
+    return transportCaps();
+  }
+  // What every TCP communicator can do (for doctor, before any exists).
+  static Caps transportCaps();
+  CommState state() const override {
+    return state_.load();
+  }
+  Status error() const override;
+  uint64_t nextSeq() const override {
+    return seq_;
+  }
+
+  Status poll() override;
+  Status waitReady(const Deadline& deadline) override;
+  void abort(const std::string& reason) override;
+
+  Status allReduce(void* buf, size_t count, DataType dt, RedOp op, const Deadline& dl) override;
+  Status broadcast(void* buf, size_t count, DataType dt, int root, const Deadline& dl) override;
+  Status reduce(void* buf, size_t count, DataType dt, RedOp op, int root, const Deadline& dl) override;
+  Status allGather(const void* send, void* recv, size_t count, DataType dt, const Deadline& dl) override;
+  Status reduceScatter(const void* send, void* recv, size_t count, DataType dt, RedOp op,
+                       const Deadline& dl) override;
+  Status allToAll(const void* send, const std::vector<size_t>& sendCounts, const std::vector<size_t>& sendDispls,
+                  void* recv, const std::vector<size_t>& recvCounts, const std::vector<size_t>& recvDispls,
+                  DataType dt, const Deadline& dl) override;
+  Status gather(const void* send, void* recv, size_t count, DataType dt, int root, const Deadline& dl) override;
+  Status scatter(const void* send, void* recv, size_t count, DataType dt, int root, const Deadline& dl) override;
+  Status barrier(const Deadline& dl) override;
+  Status sendRecv(const std::vector<P2POp>& ops, const Deadline& dl) override;
+
+  Result<std::shared_ptr<Communicator>> shrink(const std::vector<int>& exclude, bool afterError,
+                                               const Deadline& dl) override;
+  Result<std::shared_ptr<Communicator>> split(int color, int key, const Deadline& dl) override;
+  Result<std::shared_ptr<Communicator>> grow(int newSize, const std::string& joinKey, const Deadline& dl) override;
+
+  // The algorithm the cost model picks (for tests and benchmarks).
+  Algo chooseAlgo(OpKind op, size_t bytes) const {
+    return model_.choose(op, bytes, opts_.size);
+  }
+
+ private:
+  explicit TcpCommunicator(TcpOptions opts);
+
+  void runInit(const Deadline& dl);
+  Status connectMesh(const Deadline& dl);
+  Status waitForKeys(const std::vector<std::string>& keys, const Deadline& dl);
+  // Every collective: checks the state, assigns a sequence number, and on failure records the
+  // first error and tears the connections down (see Transfer's failure-propagation note).
+  template <typename Fn>
+  Status collective(OpKind op, DataType dt, RedOp redop, const Deadline& dl, Fn&& body);
+  Status checkRoot(int root, const char* what) const;
+  Status fail(const Status& st);
+  void shutdownSockets();
+
+  TcpOptions opts_;
+  CostModel model_;
+  AbortToken abort_;
+  std::atomic<CommState> state_{CommState::kInitializing};
+  mutable std::mutex mu_;  // guards error_, initError_, peers_ (while init adds sockets)
+  Status error_;
+  std::vector<Peer> peers_;
+  Scratch scratch_;
+  uint64_t seq_ = 0;
+  std::vector<uint64_t> sendSeq_;
+  std::vector<uint64_t> recvSeq_;
+};
+
+}  // namespace resilient_comm::tcp

@@ -1,0 +1,330 @@
+#include "transport/tcp/transfer.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <string>
+
+#include "common/check.h"
+
+namespace resilient_comm::tcp {
+
+namespace {
+
+constexpr size_t kHdr = sizeof(WireHeader);
+constexpr size_t kMaxErrorText = 4096;
+
+std::string describeHeader(const WireHeader& h) {
+  std::string s = std::string(opKindName(static_cast<OpKind>(h.op))) + " #" + std::to_string(h.seq) + " (" +
+                  std::to_string(h.bytes) + " bytes of " + dataTypeName(static_cast<DataType>(h.dtype));
+  if (static_cast<OpKind>(h.op) == OpKind::kAllReduce || static_cast<OpKind>(h.op) == OpKind::kReduce ||
+      static_cast<OpKind>(h.op) == OpKind::kReduceScatter) {
+    s += std::string(", ") + redOpName(static_cast<RedOp>(h.redop));
+  }
+  if (static_cast<OpKind>(h.op) == OpKind::kSendRecv) {
+    s += ", tag " + std::to_string(h.tag);
+  }
+  return s + ")";
+}
+
+bool wouldBlock(int err) {
+  return err == EAGAIN || err == EWOULDBLOCK || err == EINTR;
+}
+
+}  // namespace
+
+Transfer::Transfer(std::vector<Peer>& peers, int self, const MsgMeta& meta, const Deadline& dl,
+                   const AbortToken& abort)
+    : peers_(peers), self_(self), meta_(meta), dl_(dl), abort_(abort), q_(peers.size()) {}
+
+WireHeader Transfer::header(size_t bytes, uint64_t seq, uint64_t tag) const {
+  WireHeader h{};
+  h.magic = kWireMagic;
+  h.kind = static_cast<uint8_t>(MsgKind::kData);
+  h.op = static_cast<uint8_t>(meta_.op);
+  h.dtype = static_cast<uint8_t>(meta_.dtype);
+  h.redop = static_cast<uint8_t>(meta_.redop);
+  h.seq = seq;
+  h.bytes = bytes;
+  h.tag = tag;
+  return h;
+}
+
+void Transfer::send(int peer, const void* buf, size_t bytes) {
+  sendP2P(peer, buf, bytes, meta_.seq, meta_.tag);
+}
+
+void Transfer::sendP2P(int peer, const void* buf, size_t bytes, uint64_t seq, uint64_t tag) {
+  q_[peer].sends.push_back(SendItem{header(bytes, seq, tag), static_cast<const char*>(buf), 0});
+}
+
+void Transfer::recv(int peer, void* buf, size_t bytes, Callback onDone) {
+  q_[peer].recvs.push_back(
+      RecvItem{header(bytes, meta_.seq, meta_.tag), {}, static_cast<char*>(buf), 0, false, std::move(onDone)});
+}
+
+void Transfer::recvP2P(int peer, void* buf, size_t bytes, uint64_t seq, uint64_t tag) {
+  q_[peer].recvs.push_back(RecvItem{header(bytes, seq, tag), {}, static_cast<char*>(buf), 0, false, nullptr});
+}
+
+bool Transfer::pending() const {
+  for (const Queues& q : q_) {
+    if (!q.sends.empty() || !q.recvs.empty()) {
+      return true;
+    }
+  }
+  return false;
+}
+
+Status Transfer::progressSend(int peer, bool* progressed) {
+  Queues& q = q_[peer];
+  while (!q.sends.empty()) {
+    SendItem& it = q.sends.front();
+    size_t total = kHdr + it.hdr.bytes;
+    iovec iov[2];
+    int n = 0;
+    if (it.done < kHdr) {
+      iov[n++] = {reinterpret_cast<char*>(&it.hdr) + it.done, kHdr - it.done};
+      if (it.hdr.bytes > 0) {
+        iov[n++] = {const_cast<char*>(it.buf), it.hdr.bytes};
+      }
+    } else {
+      iov[n++] = {const_cast<char*>(it.buf) + (it.done - kHdr), total - it.done};
+    }
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = n;
+    ssize_t w = ::sendmsg(peers_[peer].sock.fd(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w < 0) {
+      if (wouldBlock(errno)) {
+        return Status::ok();
+      }
+      return Status(StatusCode::kPeerFailure, "lost the connection to rank " + std::to_string(peer) + " (send: " +
+                                                  std::strerror(errno) + "); it died or aborted");
+    }
+    *progressed = true;
+    it.done += static_cast<size_t>(w);
+    if (it.done < total) {
+      return Status::ok();
+    }
+    q.sends.pop_front();
+  }
+  return Status::ok();
+}
+
+Status Transfer::checkHeader(int peer, RecvItem& item) {
+  const WireHeader& g = item.got;
+  const WireHeader& e = item.expect;
+  if (g.magic != kWireMagic) {
+    return Status(StatusCode::kInternal, "corrupt stream from rank " + std::to_string(peer) + " (bad magic)");
+  }
+  if (g.kind == static_cast<uint8_t>(MsgKind::kError)) {
+    return peerError(peer, item);
+  }
+  if (g.op != e.op || g.seq != e.seq || g.bytes != e.bytes || g.dtype != e.dtype || g.redop != e.redop ||
+      g.tag != e.tag) {
+    return Status(StatusCode::kMismatch,
+                  "rank " + std::to_string(peer) + " sent " + describeHeader(g) + " where rank " +
+                      std::to_string(self_) + " expected " + describeHeader(e) +
+                      "; every rank must call the same collectives in the same order with matching tensors");
+  }
+  item.checked = true;
+  return Status::ok();
+}
+
+Status Transfer::peerError(int peer, const RecvItem& item) {
+  // The text may have landed in the payload buffer already (read with the header).
+  size_t textLen = std::min<size_t>(item.got.bytes, kMaxErrorText);
+  std::string text;
+  size_t have = std::min(item.done - kHdr, std::min<size_t>(textLen, item.expect.bytes));
+  text.assign(item.buf ? item.buf : "", have);
+  while (text.size() < textLen) {
+    char buf[kMaxErrorText];
+    pollfd p{peers_[peer].sock.fd(), POLLIN, 0};
+    if (::poll(&p, 1, 50) <= 0) {
+      break;
+    }
+    ssize_t r = ::recv(p.fd, buf, textLen - text.size(), MSG_DONTWAIT);
+    if (r <= 0) {
+      break;
+    }
+    text.append(buf, static_cast<size_t>(r));
+  }
+  auto code = static_cast<StatusCode>(item.got.dtype);
+  if (code != StatusCode::kMismatch && code != StatusCode::kTimeout) {
+    code = StatusCode::kPeerFailure;
+  }
+  return Status(code, "rank " + std::to_string(peer) + " failed: " + text);
+}
+
+Status Transfer::progressRecv(int peer) {
+  Queues& q = q_[peer];
+  while (!q.recvs.empty()) {
+    RecvItem& it = q.recvs.front();
+    size_t total = kHdr + it.expect.bytes;
+    iovec iov[2];
+    int n = 0;
+    if (it.done < kHdr) {
+      iov[n++] = {reinterpret_cast<char*>(&it.got) + it.done, kHdr - it.done};
+      if (it.expect.bytes > 0) {
+        iov[n++] = {it.buf, it.expect.bytes};
+      }
+    } else {
+      iov[n++] = {it.buf + (it.done - kHdr), total - it.done};
+    }
+    ssize_t r = ::readv(peers_[peer].sock.fd(), iov, n);
+    if (r < 0) {
+      if (wouldBlock(errno)) {
+        return Status::ok();
+      }
+      return Status(StatusCode::kPeerFailure, "lost the connection to rank " + std::to_string(peer) + " (recv: " +
+                                                  std::strerror(errno) + "); it died or aborted");
+    }
+    if (r == 0) {
+      peers_[peer].hangupSeen = true;
+      return Status(StatusCode::kPeerFailure,
+                    "rank " + std::to_string(peer) + " closed its connection in the middle of " +
+                        describeHeader(it.expect) + "; it died, exited or aborted");
+    }
+    it.done += static_cast<size_t>(r);
+    if (!it.checked && it.done >= kHdr) {
+      RC_RETURN_IF_ERROR(checkHeader(peer, it));
+    }
+    if (it.done < total) {
+      continue;
+    }
+    Callback cb = std::move(it.cb);
+    q.recvs.pop_front();
+    if (cb) {
+      RC_RETURN_IF_ERROR(cb());
+    }
+  }
+  return Status::ok();
+}
+
+std::string Transfer::describePending() const {
+  std::string s;
+  for (size_t p = 0; p < q_.size(); ++p) {
+    if (!q_[p].recvs.empty()) {
+      s += (s.empty() ? "" : ", ") + std::string("receiving from rank ") + std::to_string(p);
+    }
+    if (!q_[p].sends.empty()) {
+      s += (s.empty() ? "" : ", ") + std::string("sending to rank ") + std::to_string(p);
+    }
+  }
+  return s;
+}
+
+void Transfer::notifyPeers(const Status& failure) {
+  std::string text = "rank " + std::to_string(self_) + ": " + failure.message();
+  text.resize(std::min(text.size(), kMaxErrorText));
+  WireHeader h = header(text.size(), meta_.seq, 0);
+  h.kind = static_cast<uint8_t>(MsgKind::kError);
+  h.dtype = static_cast<uint8_t>(failure.code());
+  for (size_t p = 0; p < peers_.size(); ++p) {
+    if (static_cast<int>(p) == self_ || !peers_[p].sock.valid()) {
+      continue;
+    }
+    if (!q_[p].sends.empty() && q_[p].sends.front().done != 0) {
+      continue;  // mid-message: the peer learns from the hang-up instead
+    }
+    iovec iov[2] = {{&h, kHdr}, {text.data(), text.size()}};
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = 2;
+    (void)::sendmsg(peers_[p].sock.fd(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+  }
+}
+
+Status Transfer::run() {
+  Status st = [&]() -> Status {
+    bool progressed = false;
+    for (size_t p = 0; p < q_.size(); ++p) {
+      RC_RETURN_IF_ERROR(progressSend(static_cast<int>(p), &progressed));
+    }
+    std::vector<pollfd> fds;
+    std::vector<int> who;
+    fds.reserve(peers_.size());
+    who.reserve(peers_.size());
+    while (pending()) {
+      if (abort_.aborted()) {
+        return Status(StatusCode::kAborted, "communicator aborted: " + abort_.reason());
+      }
+      if (dl_.passed()) {
+        return Status(StatusCode::kTimeout, "timed out " + describePending());
+      }
+      fds.clear();
+      who.clear();
+      for (size_t p = 0; p < peers_.size(); ++p) {
+        if (static_cast<int>(p) == self_ || !peers_[p].sock.valid()) {
+          continue;
+        }
+        const Queues& q = q_[p];
+        short ev = 0;
+        if (!q.sends.empty()) {
+          ev |= POLLOUT;
+        }
+        if (!q.recvs.empty()) {
+          ev |= POLLIN;
+        }
+        if (ev == 0 && peers_[p].hangupSeen) {
+          continue;  // already known to be gone; only an error if an op needs it
+        }
+        fds.push_back(pollfd{peers_[p].sock.fd(), static_cast<short>(ev | POLLRDHUP), 0});
+        who.push_back(static_cast<int>(p));
+      }
+      int rc = ::poll(fds.data(), fds.size(), dl_.remainingMs());
+      if (rc < 0) {
+        if (errno == EINTR) {
+          continue;
+        }
+        return RC_SYS_ERROR("poll");
+      }
+      for (size_t i = 0; i < fds.size() && rc > 0; ++i) {
+        short re = fds[i].revents;
+        if (re == 0) {
+          continue;
+        }
+        int p = who[i];
+        bool involved = !q_[p].sends.empty() || !q_[p].recvs.empty();
+        bool hup = (re & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+        if (!involved) {
+          peers_[p].hangupSeen = peers_[p].hangupSeen || hup;
+          continue;
+        }
+        if (!q_[p].recvs.empty() && (re & (POLLIN | POLLRDHUP | POLLHUP | POLLERR))) {
+          RC_RETURN_IF_ERROR(progressRecv(p));
+        }
+        if (!q_[p].sends.empty() && (re & (POLLOUT | POLLHUP | POLLERR))) {
+          bool moved = false;
+          RC_RETURN_IF_ERROR(progressSend(p, &moved));
+        }
+        if (hup && !q_[p].sends.empty()) {
+          // A peer that hung up will never read what we still owe it.
+          peers_[p].hangupSeen = true;
+          return Status(StatusCode::kPeerFailure,
+                        "rank " + std::to_string(p) + " hung up while rank " + std::to_string(self_) +
+                            " was still sending to it; it died, exited or aborted");
+        }
+      }
+      // Callbacks may have queued sends: push them out before sleeping again.
+      for (size_t p = 0; p < q_.size(); ++p) {
+        if (!q_[p].sends.empty()) {
+          bool moved = false;
+          RC_RETURN_IF_ERROR(progressSend(static_cast<int>(p), &moved));
+        }
+      }
+    }
+    return Status::ok();
+  }();
+  if (!st.isOk() && st.code() != StatusCode::kAborted) {
+    notifyPeers(st);
+  }
+  return st;
+}
+
+}  // namespace resilient_comm::tcp

@@ -1,0 +1,100 @@
+// Transfer: the progress engine under every TCP collective.
+//
+// An algorithm posts sends and receives to peers (in order per peer and direction), with an
+// optional callback when a receive completes; callbacks may post more. run() progresses all
+// of them together with one poll(2) loop until everything is done, the deadline passes, the
+// abort token fires, or a peer fails. Sends and receives are progressed concurrently, so two
+// ranks that send each other large messages never deadlock.
+//
+// [Note: failure propagation]
+// While it waits, run() also watches every other peer's connection for hang-up. A hang-up of a
+// peer this op needs is a PeerFailure; a hang-up of an uninvolved peer is only remembered
+// (it may have finished and exited normally). When run() fails for any reason other than a
+// local abort, it first writes a kError frame with the reason to every peer whose outgoing
+// stream is at a message boundary; the communicator then shuts every connection down. So a
+// failure seen by one rank reaches every rank within milliseconds, with its cause, whether
+// or not they were talking to the rank that died.
+//
+// Threads: one Transfer at a time per communicator, on the communicator's calling thread.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <vector>
+
+#include "common/abort_token.h"
+#include "common/deadline.h"
+#include "common/status.h"
+#include "comm/types.h"
+#include "transport/tcp/socket.h"
+#include "transport/tcp/wire.h"
+
+namespace resilient_comm::tcp {
+
+// A connection to one peer, owned by the communicator.
+struct Peer {
+  Socket sock;
+  bool hangupSeen = false;  // the peer closed its side; only an error if we need it
+};
+
+// What every message of one op carries in its header.
+struct MsgMeta {
+  OpKind op;
+  DataType dtype = DataType::kUInt8;
+  RedOp redop = RedOp::kSum;
+  uint64_t seq = 0;
+  uint64_t tag = 0;
+};
+
+class Transfer {
+ public:
+  using Callback = std::function<Status()>;
+
+  Transfer(std::vector<Peer>& peers, int self, const MsgMeta& meta, const Deadline& dl, const AbortToken& abort);
+
+  void send(int peer, const void* buf, size_t bytes);
+  void recv(int peer, void* buf, size_t bytes, Callback onDone = nullptr);
+  // Point-to-point messages carry their own per-pair sequence number and tag.
+  void sendP2P(int peer, const void* buf, size_t bytes, uint64_t seq, uint64_t tag);
+  void recvP2P(int peer, void* buf, size_t bytes, uint64_t seq, uint64_t tag);
+
+  Status run();
+
+ private:
+  struct SendItem {
+    WireHeader hdr;
+    const char* buf;
+    size_t done;  // header and payload bytes written
+  };
+  struct RecvItem {
+    WireHeader expect;
+    WireHeader got;
+    char* buf;
+    size_t done;  // header and payload bytes read
+    bool checked;
+    Callback cb;
+  };
+  struct Queues {
+    std::deque<SendItem> sends;
+    std::deque<RecvItem> recvs;
+  };
+
+  WireHeader header(size_t bytes, uint64_t seq, uint64_t tag) const;
+  Status progressSend(int peer, bool* progressed);
+  Status progressRecv(int peer);
+  Status checkHeader(int peer, RecvItem& item);
+  Status peerError(int peer, const RecvItem& item);
+  std::string describePending() const;
+  bool pending() const;
+  void notifyPeers(const Status& failure);
+
+  std::vector<Peer>& peers_;
+  int self_;
+  MsgMeta meta_;
+  Deadline dl_;
+  const AbortToken& abort_;
+  std::vector<Queues> q_;
+};
+
+}  // namespace resilient_comm::tcp

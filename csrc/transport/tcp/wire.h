@@ -1,0 +1,40 @@
+// The TCP transport's framing: every message starts with a 32-byte header that names the
+// collective, its sequence number, dtype, reduction and size, so that ranks which disagree
+// fail with a clear error instead of misreading each other's bytes.
+#pragma once
+
+#include <cstdint>
+
+namespace resilient_comm::tcp {
+
+constexpr uint32_t kWireMagic = 0x52434d31;  // "RCM1"
+
+enum class MsgKind : uint8_t {
+  kData = 1,
+  // The sender's communicator failed; `bytes` of UTF-8 text follow, `dtype` holds the
+  // StatusCode. Sent best effort, only at a message boundary.
+  kError = 2,
+};
+
+struct WireHeader {
+  uint32_t magic;
+  uint8_t kind;
+  uint8_t op;     // OpKind
+  uint8_t dtype;  // DataType (kData) or StatusCode (kError)
+  uint8_t redop;  // RedOp, 0 where meaningless
+  uint64_t seq;
+  uint64_t bytes;
+  uint64_t tag;  // send/recv tag; 0 for collectives
+};
+static_assert(sizeof(WireHeader) == 32, "the header is part of the wire format");
+
+// Handshake sent by the connecting side once per connection.
+struct Hello {
+  uint32_t magic;
+  int32_t rank;
+  int32_t size;
+  uint32_t pad;
+  uint64_t commHash;  // hash of the communicator's store prefix and epoch
+};
+
+}  // namespace resilient_comm::tcp

@@ -1,0 +1,53 @@
+"""resilient_comm: a torch.distributed backend whose collectives fail fast instead of hanging.
+
+``import resilient_comm`` registers three c10d backends:
+
+- ``resilient_tcp``: CPU tensors over resilient_comm's own TCP transport.
+- ``resilient_nccl``: CPU tensors over TCP; CUDA tensors over NCCL (the NCCL transport is
+  not in this build yet: CUDA tensors get a clear error).
+- (``resilient_hccl`` will follow for Ascend NPUs.)
+
+Every collective runs with a deadline (the process group's timeout unless the op passes
+its own). When a peer dies, every surviving rank gets a ``torch.distributed.DistBackendError``
+within milliseconds, ring neighbour or not, and the process stays alive to recover.
+"""
+
+from __future__ import annotations
+
+import torch  # noqa: F401  (loads libtorch before our extension)
+import torch.distributed as dist
+
+from resilient_comm import _C
+from resilient_comm.api import abort, errored
+from resilient_comm.config import knobs
+
+__all__ = ["abort", "errored", "knobs", "BACKENDS"]
+__version__ = "0.1.0"
+
+BACKENDS = ("resilient_tcp", "resilient_nccl")
+
+
+def _creator(backend_name: str):
+    def create(dist_opts, _backend_opts):
+        return _C.create_backend(
+            backend_name,
+            dist_opts.store,
+            dist_opts.group_rank,
+            dist_opts.group_size,
+            dist_opts.timeout.total_seconds(),
+            str(dist_opts.group_id),
+        )
+
+    create.__name__ = f"create_{backend_name}"
+    return create
+
+
+def _register() -> None:
+    devices = {"resilient_tcp": ["cpu"], "resilient_nccl": ["cpu", "cuda"]}
+    for name in BACKENDS:
+        if name.upper() in dist.Backend._plugins:  # re-import (e.g. importlib.reload)
+            continue
+        dist.Backend.register_backend(name, _creator(name), extended_api=True, devices=devices[name])
+
+
+_register()

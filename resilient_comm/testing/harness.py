@@ -1,0 +1,143 @@
+"""Start N worker processes that share a TCPStore hosted by the caller.
+
+Workers are started with the ``spawn`` method (no fork of a process that already runs
+threads). Each runs ``fn(ctx, *args)`` where ``ctx`` gives its rank, the world size and the
+shared store; the return value (picklable) or the exception text comes back to the caller.
+The caller can also wait on store keys a worker sets, and kill or stop workers, which is how
+fault tests place a SIGKILL at a precise point without sleeping.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+
+@dataclass
+class WorkerContext:
+    rank: int
+    world_size: int
+    host: str
+    port: int
+    timeout_s: float
+
+    def store(self) -> dist.TCPStore:
+        return dist.TCPStore(
+            self.host, self.port, self.world_size, False, timeout=datetime.timedelta(seconds=self.timeout_s)
+        )
+
+    def init(self, backend: str = "resilient_tcp", timeout_s: float | None = None) -> None:
+        """init_process_group on the shared store."""
+        import resilient_comm  # noqa: F401  (registers the backends)
+
+        dist.init_process_group(
+            backend,
+            store=self.store(),
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s or self.timeout_s),
+        )
+
+
+@dataclass
+class WorkerResult:
+    rank: int
+    ok: bool
+    value: Any = None
+    error: str = ""
+    exitcode: int | None = None
+    elapsed_s: float = 0.0
+
+
+def _entry(fn: Callable[..., Any], ctx: WorkerContext, args: tuple, conn: Any) -> None:
+    start = time.monotonic()
+    try:
+        value = fn(ctx, *args)
+        conn.send(WorkerResult(ctx.rank, True, value=value, elapsed_s=time.monotonic() - start))
+    except BaseException as e:  # noqa: BLE001  (report everything to the parent)
+        text = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        conn.send(WorkerResult(ctx.rank, False, error=text, elapsed_s=time.monotonic() - start))
+    finally:
+        conn.close()
+        # Skip interpreter teardown: a process group left with pending work must not make a
+        # finished worker linger.
+        os._exit(0)
+
+
+@dataclass
+class Workers:
+    """A running set of workers. Use as a context manager; leftover workers are killed."""
+
+    world_size: int
+    timeout_s: float
+    store: dist.TCPStore
+    procs: list[Any] = field(default_factory=list)
+    conns: list[Any] = field(default_factory=list)
+
+    def wait_key(self, key: str, timeout_s: float | None = None) -> None:
+        self.store.wait([key], datetime.timedelta(seconds=timeout_s or self.timeout_s))
+
+    def kill(self, rank: int, sig: int = signal.SIGKILL) -> None:
+        os.kill(self.procs[rank].pid, sig)
+
+    def join(self, timeout_s: float | None = None) -> list[WorkerResult]:
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        results: list[WorkerResult] = []
+        for rank, (p, conn) in enumerate(zip(self.procs, self.conns)):
+            left = max(0.0, deadline - time.monotonic())
+            res: WorkerResult | None = None
+            if conn.poll(left):
+                try:
+                    res = conn.recv()
+                except EOFError:
+                    res = None
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+                res = res or WorkerResult(rank, False, error="worker did not finish before the harness timeout")
+            if res is None:
+                res = WorkerResult(rank, False, error=f"worker exited with code {p.exitcode} and no result")
+            res.exitcode = p.exitcode
+            results.append(res)
+        return results
+
+    def __enter__(self) -> "Workers":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def start_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0) -> Workers:
+    """Start `world_size` workers running fn(ctx, *args); returns at once."""
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, True, timeout=datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    ctx_mp = mp.get_context("spawn")
+    w = Workers(world_size, timeout_s, store)
+    for rank in range(world_size):
+        parent, child = ctx_mp.Pipe(duplex=False)
+        ctx = WorkerContext(rank, world_size, "127.0.0.1", store.port, timeout_s)
+        p = ctx_mp.Process(target=_entry, args=(fn, ctx, args, child), daemon=True)
+        p.start()
+        child.close()
+        w.procs.append(p)
+        w.conns.append(parent)
+    return w
+
+
+def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0) -> list[WorkerResult]:
+    """Run fn(ctx, *args) on `world_size` workers and return their results, by rank."""
+    with start_workers(fn, world_size, *args, timeout_s=timeout_s) as w:
+        return w.join()
