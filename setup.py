@@ -8,6 +8,7 @@ isolated build environment.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,19 +38,22 @@ class CMakeBuild(build_ext):
         build_dir.mkdir(parents=True, exist_ok=True)
         cfg = ["-DCMAKE_BUILD_TYPE=Release", f"-DPython3_EXECUTABLE={sys.executable}",
                f"-DRESILIENT_COMM_PY_OUTPUT_DIR={out_dir}"]
-        gen = ["-G", "Ninja"] if _have("ninja") else []
-        if not (build_dir / "CMakeCache.txt").exists():
-            subprocess.check_call(["cmake", str(ROOT), *gen, *cfg], cwd=build_dir)
-        else:
-            subprocess.check_call(["cmake", str(ROOT), *cfg], cwd=build_dir)
+        cmake = _tool("cmake")
+        if cmake is None:
+            sys.exit("resilient_comm needs CMake >= 3.18: `pip install cmake` or your system's package")
+        ninja = _tool("ninja")
+        gen = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"] if ninja else []
+        if (build_dir / "CMakeCache.txt").exists():
+            gen = []  # the generator is fixed at the first configure
+        subprocess.check_call([cmake, str(ROOT), *gen, *cfg], cwd=build_dir)
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
-        subprocess.check_call(["cmake", "--build", ".", "--parallel", jobs], cwd=build_dir)
+        subprocess.check_call([cmake, "--build", ".", "--parallel", jobs], cwd=build_dir)
 
 
-def _have(tool: str) -> bool:
-    from shutil import which
-
-    return which(tool) is not None
+def _tool(name: str) -> str | None:
+    """`name` from this interpreter's environment first (pip-installed cmake/ninja), then PATH."""
+    here = os.path.dirname(sys.executable)
+    return shutil.which(name, path=os.pathsep.join([here, os.environ.get("PATH", "")]))
 
 
 setup(

@@ -76,7 +76,7 @@ void TcpCommunicator::runInit(const Deadline& dl) {
     state_.store(CommState::kReady);
     return;
   }
-  error_ = st.withContext("init of " + opts_.name + " on rank " + std::to_string(opts_.rank));
+  error_ = st.withContext("init of group '" + opts_.name + "' on rank " + std::to_string(opts_.rank));
   state_.store(CommState::kError);
   for (Peer& p : peers_) {
     p.sock.shutdownBoth();
@@ -181,7 +181,7 @@ Status TcpCommunicator::connectMesh(const Deadline& dl) {
 Status TcpCommunicator::poll() {
   switch (state_.load()) {
     case CommState::kInitializing:
-      return Status(StatusCode::kInProgress, "init of " + opts_.name + " in progress");
+      return Status(StatusCode::kInProgress, "init of group '" + opts_.name + "' in progress");
     case CommState::kReady:
       return Status::ok();
     default:
@@ -197,7 +197,7 @@ Status TcpCommunicator::waitReady(const Deadline& deadline) {
       return st;
     }
     if (deadline.passed()) {
-      Status t(StatusCode::kTimeout, "init of " + opts_.name + " on rank " + std::to_string(opts_.rank) +
+      Status t(StatusCode::kTimeout, "init of group '" + opts_.name + "' on rank " + std::to_string(opts_.rank) +
                                          " did not finish before its deadline; aborted");
       abort(t.message());
       return t;
@@ -212,7 +212,7 @@ void TcpCommunicator::abort(const std::string& reason) {
     std::lock_guard<std::mutex> lock(mu_);
     CommState s = state_.load();
     if (s == CommState::kInitializing || s == CommState::kReady) {
-      error_ = Status(StatusCode::kAborted, "communicator " + opts_.name + " was aborted: " + reason);
+      error_ = Status(StatusCode::kAborted, "communicator of group '" + opts_.name + "' was aborted: " + reason);
       state_.store(CommState::kAborted);
     }
   }
@@ -246,8 +246,8 @@ Status TcpCommunicator::fail(const Status& st) {
 template <typename Fn>
 Status TcpCommunicator::collective(OpKind op, DataType dt, RedOp redop, const Deadline& dl, Fn&& body) {
   const uint64_t seq = seq_++;
-  const std::string where = std::string(opKindName(op)) + " #" + std::to_string(seq) + " on " + opts_.name +
-                            " rank " + std::to_string(opts_.rank);
+  const std::string where = std::string(opKindName(op)) + " #" + std::to_string(seq) + " on group '" + opts_.name +
+                            "' rank " + std::to_string(opts_.rank);
   CommState s = state_.load();
   if (s == CommState::kInitializing) {
     RC_RETURN_IF_ERROR(waitReady(dl).withContext(where));
@@ -407,7 +407,7 @@ Status TcpCommunicator::sendRecv(const std::vector<P2POp>& ops, const Deadline& 
   }
   // Point-to-point ops do not take a collective sequence number: only the two ranks involved
   // call them. Each direction of each pair counts its own messages instead.
-  const std::string where = "send/recv on " + opts_.name + " rank " + std::to_string(opts_.rank);
+  const std::string where = "send/recv on group '" + opts_.name + "' rank " + std::to_string(opts_.rank);
   CommState s = state_.load();
   if (s == CommState::kInitializing) {
     RC_RETURN_IF_ERROR(waitReady(dl).withContext(where));

@@ -1,0 +1,55 @@
+"""`resilient-comm doctor`: what this machine offers resilient_comm."""
+
+from __future__ import annotations
+
+import glob
+import os
+import platform
+import sys
+
+import torch
+
+from resilient_comm import _C
+from resilient_comm.config import knobs
+
+
+def nccl_wheel_candidates() -> list[str]:
+    """libnccl files of installed nvidia-nccl-cu12 / -cu13 wheels, in sys.path order."""
+    found: list[str] = []
+    for entry in sys.path:
+        for path in sorted(glob.glob(os.path.join(entry, "nvidia", "nccl*", "lib", "libnccl.so*"))):
+            if path not in found:
+                found.append(path)
+    return found
+
+
+def report() -> dict:
+    caps = _C.tcp_caps()
+    nccl = _C.probe_nccl(nccl_wheel_candidates())
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "cpus": os.cpu_count(),
+        "transports": {"tcp": {"available": True, "caps": caps}},
+        "nccl": nccl,
+        "knobs": [(k.name, k.value, k.default) for k in knobs()],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    r = report()
+    print(f"python {r['python']}  torch {r['torch']}  cpus {r['cpus']}  cuda available: {r['cuda_available']}")
+    print("transports:")
+    caps = r["transports"]["tcp"]["caps"]
+    print("  tcp   available  " + " ".join(f"{k}={'yes' if v else 'no'}" for k, v in caps.items()))
+    n = r["nccl"]
+    if n["found"]:
+        print(f"  nccl  libnccl {n['version']} at {n['path']} (the NCCL transport itself is not in this build yet)")
+    else:
+        print("  nccl  not available: " + n["error"].replace("\n", "\n        "))
+    print("knobs (RESILIENT_COMM_*):")
+    for name, value, default in r["knobs"]:
+        mark = "" if value == default else "   (set)"
+        print(f"  {name:32s} {value!r}{mark}")
+    return 0

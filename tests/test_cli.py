@@ -1,0 +1,62 @@
+"""The command line, the knob table and the NCCL loader's error path."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import resilient_comm
+from resilient_comm import _C
+from resilient_comm.config import knobs
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(60)
+def test_doctor_reports_transports_and_nccl() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "resilient_comm.cli", "doctor"], capture_output=True, text=True, timeout=50
+    )
+    assert out.returncode == 0, out.stderr
+    assert "tcp   available" in out.stdout and "abort=yes" in out.stdout
+    assert "nccl" in out.stdout
+    assert "RESILIENT_COMM_ALGO" in out.stdout
+
+
+def test_every_knob_is_documented_in_the_readme() -> None:
+    readme = (ROOT / "README.md").read_text()
+    names = [k.name for k in knobs()]
+    assert names, "the knob table is empty"
+    missing = [n for n in names if f"`{n}`" not in readme]
+    assert not missing, f"README.md does not list {missing}"
+
+
+def test_knob_value_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    algo = next(k for k in knobs() if k.name == "RESILIENT_COMM_ALGO")
+    monkeypatch.setenv("RESILIENT_COMM_ALGO", "ring")
+    assert algo.value == "ring"
+    monkeypatch.setenv("RESILIENT_COMM_ALGO", "")
+    assert algo.value == algo.default == "auto"
+
+
+def test_nccl_probe_explains_why_nothing_loaded(tmp_path: pathlib.Path) -> None:
+    bogus = tmp_path / "libnccl.so.2"
+    bogus.write_text("not a library")
+    res = _C.probe_nccl([str(bogus)])
+    if res["found"]:  # a libnccl is already loaded in this process (a CUDA torch)
+        assert res["version"].count(".") == 2
+        return
+    assert str(bogus) in res["error"], res["error"]
+    assert "RESILIENT_COMM_NCCL_LIB" in res["error"]
+
+
+def test_backends_are_registered() -> None:
+    import torch.distributed as dist
+
+    for name in resilient_comm.BACKENDS:
+        assert name in dist.Backend.backend_list
+    assert dist.Backend.backend_capability["resilient_tcp"] == ["cpu"]
+    assert dist.Backend.backend_capability["resilient_nccl"] == ["cpu", "cuda"]

@@ -1,0 +1,138 @@
+"""A peer SIGKILLed in the middle of a loop of all_reduces: every survivor, ring neighbour or
+not, gets a clear error within 2 s of the kill (the op timeout is 30 s), stays alive, and
+can build a new process group of the survivors."""
+
+from __future__ import annotations
+
+import datetime
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from resilient_comm.testing import WorkerContext, start_workers
+
+OP_TIMEOUT_S = 30.0
+DETECT_BOUND_S = 2.0
+
+
+def _loop_until_failure(ctx: WorkerContext, victim: int, numel: int) -> dict:
+    import resilient_comm
+
+    ctx.init("resilient_tcp", timeout_s=OP_TIMEOUT_S)
+    store = ctx.store()
+    t = torch.ones(numel)
+    i = 0
+    try:
+        while True:
+            dist.all_reduce(t)
+            t.fill_(1.0)
+            i += 1
+            if i == 20:
+                store.set(f"looping/{ctx.rank}", "1")
+    except dist.DistBackendError as e:
+        failed_at = time.time()
+        err = str(e)
+    errored = resilient_comm.errored()
+    dist.destroy_process_group()
+
+    # Survivors build a new group among themselves, renumbered in their old order.
+    survivors = [r for r in range(ctx.world_size) if r != victim]
+    new_rank = survivors.index(ctx.rank)
+    dist.init_process_group(
+        "resilient_tcp",
+        store=dist.PrefixStore("after-kill/", store),
+        rank=new_rank,
+        world_size=len(survivors),
+        timeout=datetime.timedelta(seconds=OP_TIMEOUT_S),
+    )
+    x = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(x)
+    dist.destroy_process_group()
+    return {"failed_at": failed_at, "error": err, "errored": errored, "iters": i, "sum": x.item()}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    "world_size,victim,numel",
+    [
+        (4, 0, 1 << 18),  # first rank, ring-sized messages
+        (4, 2, 1 << 18),  # middle rank
+        (4, 3, 16),  # last rank, small (log-depth) messages
+        (8, 5, 1 << 16),  # larger world: most survivors are not the victim's neighbours
+    ],
+)
+def test_sigkill_mid_allreduce_every_survivor_errors_fast(world_size: int, victim: int, numel: int) -> None:
+    with start_workers(_loop_until_failure, world_size, victim, numel, timeout_s=60) as w:
+        w.wait_key(f"looping/{victim}")
+        for r in range(world_size):
+            w.wait_key(f"looping/{r}")
+        w.kill(victim, signal.SIGKILL)
+        killed_at = time.time()
+        results = w.join()
+
+    survivors = [r for r in results if r.rank != victim]
+    expected_sum = float(sum(r.rank for r in survivors))
+    for r in survivors:
+        assert r.ok, f"rank {r.rank} did not survive: {r.error}"
+        v = r.value
+        delay = v["failed_at"] - killed_at
+        assert delay < DETECT_BOUND_S, f"rank {r.rank} noticed the kill after {delay:.2f} s: {v['error']}"
+        assert "PeerFailure" in v["error"], v["error"]
+        assert "rank" in v["error"] and "all_reduce" in v["error"], v["error"]
+        assert v["errored"] is not None and "PeerFailure" in v["errored"]
+        assert v["sum"] == expected_sum, f"rank {r.rank}: survivors' group computed {v['sum']}"
+    # The victim's ring neighbours see the victim's hang-up themselves and name it.
+    for nb in ((victim - 1) % world_size, (victim + 1) % world_size):
+        text = results[nb].value["error"]
+        assert f"rank {victim}" in text, text
+
+
+def _mismatched_sizes(ctx: WorkerContext) -> str:
+    ctx.init("resilient_tcp", timeout_s=OP_TIMEOUT_S)
+    t = torch.ones(1000 if ctx.rank == 1 else 1024)
+    try:
+        dist.all_reduce(t)
+        return "no error"
+    except dist.DistBackendError as e:
+        return str(e)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_mismatched_sizes_fail_clearly_on_every_rank(world_size: int) -> None:
+    start = time.monotonic()
+    with start_workers(_mismatched_sizes, world_size, timeout_s=45) as w:
+        results = w.join()
+    for r in results:
+        assert r.ok, r.error
+        assert "Mismatch" in r.value, f"rank {r.rank}: {r.value}"
+        assert "every rank must call the same collectives" in r.value, r.value
+    # Well inside the 30 s op timeout, including the workers' start-up.
+    assert time.monotonic() - start < OP_TIMEOUT_S / 2
+
+
+def _missing_peer(ctx: WorkerContext) -> str:
+    if ctx.rank == 1:
+        return "never joined"
+    ctx.init("resilient_tcp", timeout_s=2.0)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4))
+        return "no error"
+    except dist.DistBackendError as e:
+        return f"{time.monotonic() - start:.3f}|{e}"
+
+
+@pytest.mark.timeout(60)
+def test_rank_that_never_joins_fails_init_at_the_deadline() -> None:
+    with start_workers(_missing_peer, 2, timeout_s=30) as w:
+        res = w.join(timeout_s=15)[0]
+    assert res.ok, res.error
+    elapsed, text = res.value.split("|", 1)
+    assert "Timeout" in text and "init" in text, text
+    assert float(elapsed) < 2.5, f"init deadline of 2 s took {elapsed} s"
