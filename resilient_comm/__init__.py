@@ -18,10 +18,28 @@ import torch  # noqa: F401  (loads libtorch before our extension)
 import torch.distributed as dist
 
 from resilient_comm import _C
-from resilient_comm.api import abort, errored
+from resilient_comm.api import abort, errored, tainted
 from resilient_comm.config import knobs
+from resilient_comm.errors import (
+    CommAbortedError,
+    CommError,
+    CommMismatchError,
+    CommTimeoutError,
+    PeerFailureError,
+)
 
-__all__ = ["abort", "errored", "knobs", "BACKENDS"]
+__all__ = [
+    "BACKENDS",
+    "CommAbortedError",
+    "CommError",
+    "CommMismatchError",
+    "CommTimeoutError",
+    "PeerFailureError",
+    "abort",
+    "errored",
+    "knobs",
+    "tainted",
+]
 __version__ = "0.1.0"
 
 BACKENDS = ("resilient_tcp", "resilient_nccl")

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from resilient_comm import _C
+from resilient_comm.errors import CommError
 
 
 def _backend(group: dist.ProcessGroup | None) -> _C.ResilientBackend:
@@ -27,6 +28,15 @@ def abort(group: dist.ProcessGroup | None = None, reason: str = "resilient_comm.
     _backend(group).abort_with_reason(reason)
 
 
-def errored(group: dist.ProcessGroup | None = None) -> str | None:
-    """The first error of `group`'s communicator as text, or None while it is healthy."""
+def errored(group: dist.ProcessGroup | None = None) -> CommError | None:
+    """The first error of `group`'s communicator, or None while it is healthy.
+
+    The error is the exception an op on the group raises (CommTimeoutError, PeerFailureError,
+    ...), returned, not raised; polling it is cheap (no communication).
+    """
     return _backend(group).comm_error()
+
+
+def tainted() -> str | None:
+    """Why this process is tainted (an abort that did not return in time), or None."""
+    return _C.tainted()

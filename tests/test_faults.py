@@ -34,8 +34,8 @@ def _loop_until_failure(ctx: WorkerContext, victim: int, numel: int) -> dict:
                 store.set(f"looping/{ctx.rank}", "1")
     except dist.DistBackendError as e:
         failed_at = time.time()
-        err = str(e)
-    errored = resilient_comm.errored()
+        err = f"{type(e).__name__}: {e}"
+    errored = repr(resilient_comm.errored())
     dist.destroy_process_group()
 
     # Survivors build a new group among themselves, renumbered in their old order.
@@ -80,7 +80,7 @@ def test_sigkill_mid_allreduce_every_survivor_errors_fast(world_size: int, victi
         v = r.value
         delay = v["failed_at"] - killed_at
         assert delay < DETECT_BOUND_S, f"rank {r.rank} noticed the kill after {delay:.2f} s: {v['error']}"
-        assert "PeerFailure" in v["error"], v["error"]
+        assert v["error"].startswith("PeerFailureError: PeerFailure: resilient_tcp all_reduce #"), v["error"]
         assert "rank" in v["error"] and "all_reduce" in v["error"], v["error"]
         assert v["errored"] is not None and "PeerFailure" in v["errored"]
         assert v["sum"] == expected_sum, f"rank {r.rank}: survivors' group computed {v['sum']}"

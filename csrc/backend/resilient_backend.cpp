@@ -5,6 +5,8 @@
 #include <numeric>
 
 #include "backend/tensor_args.h"
+#include "common/env.h"
+#include "watchdog/reaper.h"
 #include "transport/tcp/tcp_communicator.h"
 
 namespace resilient_comm {
@@ -15,6 +17,12 @@ using c10d::OpType;
 
 void* ptr(const at::Tensor& t) {
   return t.numel() == 0 ? nullptr : t.data_ptr();
+}
+
+// Aborts `comm` through the Reaper: bounded even if the transport's abort blocks.
+void abortComm(const std::shared_ptr<Communicator>& comm, const std::string& why) {
+  static const std::chrono::milliseconds bound(env::getInt(env::Knob::kAbortBoundMs));
+  Reaper::run([comm, why] { comm->abort(why); }, bound, "abort of group '" + comm->name() + "'");
 }
 
 // A flat buffer of `n` elements like `like`.
@@ -76,11 +84,55 @@ void ResilientBackend::abort() {
 }
 
 void ResilientBackend::abortWithReason(const std::string& reason) {
-  cpu_->abort(reason);
+  abortComm(cpu_, reason);
 }
 
 Status ResilientBackend::commError() const {
   return cpu_->error();
+}
+
+std::optional<CommErrorInfo> ResilientBackend::errorInfo() const {
+  Status st = cpu_->error();
+  if (st.isOk()) {
+    return std::nullopt;
+  }
+  CommErrorInfo info = site("communicator");
+  info.code = st.code();
+  info.cause = st.message();
+  return info;
+}
+
+void ResilientBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+  // Rank 0 hears from every rank, then releases them. All of rank 0's receives progress
+  // together, so on timeout the error lists every rank that did not arrive (waitAllRanks is
+  // therefore always honoured).
+  (void)waitAllRanks;
+  std::chrono::milliseconds timeout = opts.timeout.count() < 0 ? timeout_ : opts.timeout;
+  constexpr uint64_t kTag = 0x6d6f6e69746f72ULL;  // "monitor"
+  // Shared with the task: a watchdog expiry can release this thread while the task runs.
+  auto bytes = std::make_shared<std::vector<uint8_t>>(size_, 1);
+  std::vector<P2POp> ops;
+  for (int p = 0; p < size_; ++p) {
+    if (p != rank_ && (rank_ == 0 || p == 0)) {
+      ops.push_back(P2POp{P2POp::Kind::kRecv, p, bytes->data() + p, 1, kTag});
+    }
+  }
+  auto work = enqueue(OpType::BARRIER, "monitored_barrier", {}, timeout,
+                      [this, ops, bytes](Communicator& c, const Deadline& dl) {
+                        Status st = c.sendRecv(rank_ == 0 ? ops : std::vector<P2POp>{P2POp{
+                                                                       P2POp::Kind::kSend, 0, bytes->data(), 1, kTag}},
+                                               dl);
+                        if (!st.isOk()) {
+                          return st;
+                        }
+                        std::vector<P2POp> release;
+                        for (const P2POp& op : ops) {
+                          release.push_back(P2POp{rank_ == 0 ? P2POp::Kind::kSend : P2POp::Kind::kRecv, op.peer,
+                                                  op.buf, 1, kTag});
+                        }
+                        return c.sendRecv(release, dl);
+                      });
+  work->wait(kNoTimeout);
 }
 
 void ResilientBackend::shutdown() {
@@ -112,37 +164,58 @@ Communicator& ResilientBackend::commFor(const std::vector<at::Tensor>& tensors, 
                                   opts_.backendName + " carries CPU tensors");
 }
 
-c10::intrusive_ptr<c10d::Work> ResilientBackend::enqueue(OpType type, std::vector<at::Tensor> outputs,
-                                                         std::chrono::milliseconds timeout, Body body) {
+CommErrorInfo ResilientBackend::site(const char* op) const {
+  CommErrorInfo info;
+  info.backend = opts_.backendName;
+  info.group = opts_.groupName;
+  info.rank = rank_;
+  info.op = op;
+  return info;
+}
+
+c10::intrusive_ptr<c10d::Work> ResilientBackend::push(OpType type, const char* opName, std::vector<at::Tensor> outputs,
+                                                      std::chrono::milliseconds timeout, Body body,
+                                                      std::optional<P2POp> p2p) {
+  std::shared_ptr<Communicator> comm = cpu_;
+  auto work = c10::make_intrusive<ResilientWork>(site(opName), type, std::move(outputs),
+                                                 [comm](const std::string& why) { abortComm(comm, why); });
   std::unique_lock<std::mutex> lock(mu_);
   if (timeout.count() < 0) {
     timeout = timeout_;
   }
-  auto work = c10::make_intrusive<ResilientWork>(rank_, type, enqueued_++, std::move(outputs));
   if (stopping_) {
     lock.unlock();
     work->complete(Status(StatusCode::kAborted, "process group " + opts_.groupName + " was shut down"));
     return work;
   }
-  queue_.push_back(Task{work, Deadline::after(timeout), std::move(body), std::nullopt});
+  Deadline dl = Deadline::after(timeout);
+  std::string why = std::string(opName) + " did not finish within " + std::to_string(timeout.count()) +
+                    " ms (watchdog)";
+  Watchdog::Id id = Watchdog::instance().watch(dl, [work, comm, why] {
+    work->complete(Status(StatusCode::kTimeout, why));
+    abortComm(comm, why);
+  });
+  queue_.push_back(Task{work, dl, std::move(body), p2p, id});
   lock.unlock();
   cv_.notify_one();
   return work;
 }
 
-c10::intrusive_ptr<c10d::Work> ResilientBackend::enqueueP2P(OpType type, const at::Tensor& t, P2POp op) {
-  std::unique_lock<std::mutex> lock(mu_);
-  auto work = c10::make_intrusive<ResilientWork>(rank_, type, enqueued_++, std::vector<at::Tensor>{t});
-  if (stopping_) {
-    lock.unlock();
-    work->complete(Status(StatusCode::kAborted, "process group " + opts_.groupName + " was shut down"));
-    return work;
-  }
+c10::intrusive_ptr<c10d::Work> ResilientBackend::enqueue(OpType type, const char* opName,
+                                                         std::vector<at::Tensor> outputs,
+                                                         std::chrono::milliseconds timeout, Body body) {
+  return push(type, opName, std::move(outputs), timeout, std::move(body), std::nullopt);
+}
+
+c10::intrusive_ptr<c10d::Work> ResilientBackend::enqueueP2P(OpType type, const char* opName, const at::Tensor& t,
+                                                            P2POp op) {
   // The tensor stays alive through the Work's outputs until the op completes.
-  queue_.push_back(Task{work, Deadline::after(timeout_), nullptr, op});
-  lock.unlock();
-  cv_.notify_one();
-  return work;
+  return push(type, opName, {t}, c10d::kUnsetTimeout, nullptr, op);
+}
+
+void ResilientBackend::finishTask(Task& task, const Status& st) {
+  Watchdog::instance().unwatch(task.watchId);
+  task.work->complete(st);
 }
 
 void ResilientBackend::runP2PGroup(std::vector<Task>& group) {
@@ -154,13 +227,13 @@ void ResilientBackend::runP2PGroup(std::vector<Task>& group) {
   }
   Status st = cpu_->sendRecv(ops, dl);
   for (Task& t : group) {
-    t.work->complete(st);
+    finishTask(t, st);
   }
 }
 
 void ResilientBackend::workerLoop() {
   for (;;) {
-    Task task{nullptr, Deadline::never(), nullptr, std::nullopt};
+    Task task{nullptr, Deadline::never(), nullptr, std::nullopt, 0};
     std::vector<Task> p2pGroup;
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -181,13 +254,14 @@ void ResilientBackend::workerLoop() {
       runP2PGroup(p2pGroup);
       continue;
     }
+    task.work->setSeq(cpu_->nextSeq());
     Status st;
     try {
       st = task.body(*cpu_, task.deadline);
     } catch (const std::exception& e) {
       st = Status(StatusCode::kInternal, e.what());
     }
-    task.work->complete(st);
+    finishTask(task, st);
   }
 }
 
@@ -200,7 +274,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::broadcast(std::vector<at::Tenso
   at::Tensor t = tensors[0];
   DataType dt = toDataType(site, t.scalar_type());
   int root = static_cast<int>(opts.rootRank);
-  return enqueue(OpType::BROADCAST, tensors, opts.timeout, [t, dt, root](Communicator& c, const Deadline& dl) {
+  return enqueue(OpType::BROADCAST, site.op, tensors, opts.timeout, [t, dt, root](Communicator& c, const Deadline& dl) {
     return c.broadcast(ptr(t), t.numel(), dt, root, dl);
   });
 }
@@ -213,7 +287,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::allreduce(std::vector<at::Tenso
   at::Tensor t = tensors[0];
   DataType dt = toDataType(site, t.scalar_type());
   RedOp op = toRedOp(site, opts.reduceOp, t.scalar_type());
-  return enqueue(OpType::ALLREDUCE, tensors, opts.timeout, [t, dt, op](Communicator& c, const Deadline& dl) {
+  return enqueue(OpType::ALLREDUCE, site.op, tensors, opts.timeout, [t, dt, op](Communicator& c, const Deadline& dl) {
     return c.allReduce(ptr(t), t.numel(), dt, op, dl);
   });
 }
@@ -226,7 +300,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::allreduce_coalesced(std::vector
   DataType dt = toDataType(site, tensors[0].scalar_type());
   RedOp op = toRedOp(site, opts.reduceOp, tensors[0].scalar_type());
   std::vector<at::Tensor> ts = tensors;
-  return enqueue(OpType::ALLREDUCE_COALESCED, tensors, opts.timeout, [ts, dt, op](Communicator& c, const Deadline& dl) {
+  return enqueue(OpType::ALLREDUCE_COALESCED, site.op, tensors, opts.timeout, [ts, dt, op](Communicator& c, const Deadline& dl) {
     std::vector<at::Tensor> views;
     for (const at::Tensor& t : ts) {
       views.push_back(t.reshape({-1}));
@@ -254,7 +328,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::reduce(std::vector<at::Tensor>&
   DataType dt = toDataType(site, t.scalar_type());
   RedOp op = toRedOp(site, opts.reduceOp, t.scalar_type());
   int root = static_cast<int>(opts.rootRank);
-  return enqueue(OpType::REDUCE, tensors, opts.timeout, [t, dt, op, root](Communicator& c, const Deadline& dl) {
+  return enqueue(OpType::REDUCE, site.op, tensors, opts.timeout, [t, dt, op, root](Communicator& c, const Deadline& dl) {
     return c.reduce(ptr(t), t.numel(), dt, op, root, dl);
   });
 }
@@ -279,7 +353,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::allgather(std::vector<std::vect
   std::vector<at::Tensor> outs = outputs[0];
   DataType dt = toDataType(site, in.scalar_type());
   int n = size_;
-  return enqueue(OpType::ALLGATHER, outs, opts.timeout, [in, outs, dt, n](Communicator& c, const Deadline& dl) {
+  return enqueue(OpType::ALLGATHER, site.op, outs, opts.timeout, [in, outs, dt, n](Communicator& c, const Deadline& dl) {
     at::Tensor buf = flat(in, in.numel() * n);
     Status st = c.allGather(ptr(in), ptr(buf), in.numel(), dt, dl);
     if (st.isOk()) {
@@ -306,7 +380,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::_allgather_base(at::Tensor& out
   at::Tensor in = input;
   at::Tensor out = output;
   DataType dt = toDataType(site, in.scalar_type());
-  return enqueue(OpType::_ALLGATHER_BASE, {out}, opts.timeout, [in, out, dt](Communicator& c, const Deadline& dl) {
+  return enqueue(OpType::_ALLGATHER_BASE, site.op, {out}, opts.timeout, [in, out, dt](Communicator& c, const Deadline& dl) {
     return c.allGather(ptr(in), ptr(out), in.numel(), dt, dl);
   });
 }
@@ -333,7 +407,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::allgather_into_tensor_coalesced
   commFor(inputs, site.op);
   std::vector<at::Tensor> ins = inputs;
   std::vector<at::Tensor> outs = outputs;
-  return enqueue(OpType::COALESCED, outs, opts.timeout, [ins, outs, dts](Communicator& c, const Deadline& dl) {
+  return enqueue(OpType::COALESCED, site.op, outs, opts.timeout, [ins, outs, dts](Communicator& c, const Deadline& dl) {
     for (size_t i = 0; i < ins.size(); ++i) {
       Status st = c.allGather(ptr(ins[i]), ptr(outs[i]), ins[i].numel(), dts[i], dl);
       if (!st.isOk()) {
@@ -371,7 +445,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::gather(std::vector<std::vector<
   at::Tensor in = inputs[0];
   DataType dt = toDataType(site, in.scalar_type());
   int n = size_;
-  return enqueue(OpType::GATHER, outs, opts.timeout, [in, outs, dt, root, n](Communicator& c, const Deadline& dl) {
+  return enqueue(OpType::GATHER, site.op, outs, opts.timeout, [in, outs, dt, root, n](Communicator& c, const Deadline& dl) {
     at::Tensor buf = outs.empty() ? at::Tensor() : flat(in, in.numel() * n);
     Status st = c.gather(ptr(in), buf.defined() ? ptr(buf) : nullptr, in.numel(), dt, root, dl);
     if (st.isOk()) {
@@ -409,7 +483,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::scatter(std::vector<at::Tensor>
   commFor(outputs, site.op);
   at::Tensor out = outputs[0];
   DataType dt = toDataType(site, out.scalar_type());
-  return enqueue(OpType::SCATTER, {out}, opts.timeout, [ins, out, dt, root](Communicator& c, const Deadline& dl) {
+  return enqueue(OpType::SCATTER, site.op, {out}, opts.timeout, [ins, out, dt, root](Communicator& c, const Deadline& dl) {
     at::Tensor buf;
     if (!ins.empty()) {
       std::vector<at::Tensor> views;
@@ -441,7 +515,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::reduce_scatter(std::vector<at::
   std::vector<at::Tensor> ins = inputs[0];
   DataType dt = toDataType(site, out.scalar_type());
   RedOp op = toRedOp(site, opts.reduceOp, out.scalar_type());
-  return enqueue(OpType::REDUCE_SCATTER, {out}, opts.timeout, [ins, out, dt, op](Communicator& c, const Deadline& dl) {
+  return enqueue(OpType::REDUCE_SCATTER, site.op, {out}, opts.timeout, [ins, out, dt, op](Communicator& c, const Deadline& dl) {
     std::vector<at::Tensor> views;
     for (const at::Tensor& t : ins) {
       views.push_back(t.reshape({-1}));
@@ -467,7 +541,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::_reduce_scatter_base(at::Tensor
   at::Tensor out = output;
   DataType dt = toDataType(site, in.scalar_type());
   RedOp op = toRedOp(site, opts.reduceOp, in.scalar_type());
-  return enqueue(OpType::_REDUCE_SCATTER_BASE, {out}, opts.timeout,
+  return enqueue(OpType::_REDUCE_SCATTER_BASE, site.op, {out}, opts.timeout,
                  [in, out, dt, op](Communicator& c, const Deadline& dl) {
                    return c.reduceScatter(ptr(in), ptr(out), out.numel(), dt, op, dl);
                  });
@@ -494,7 +568,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::reduce_scatter_tensor_coalesced
   RedOp op = toRedOp(site, opts.reduceOp, inputs[0].scalar_type());
   std::vector<at::Tensor> ins = inputs;
   std::vector<at::Tensor> outs = outputs;
-  return enqueue(OpType::COALESCED, outs, opts.timeout, [ins, outs, dt, op](Communicator& c, const Deadline& dl) {
+  return enqueue(OpType::COALESCED, site.op, outs, opts.timeout, [ins, outs, dt, op](Communicator& c, const Deadline& dl) {
     for (size_t i = 0; i < ins.size(); ++i) {
       Status st = c.reduceScatter(ptr(ins[i]), ptr(outs[i]), outs[i].numel(), dt, op, dl);
       if (!st.isOk()) {
@@ -551,7 +625,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::alltoall_base(at::Tensor& outpu
   at::Tensor in = input;
   at::Tensor out = output;
   DataType dt = toDataType(site, in.scalar_type());
-  return enqueue(OpType::ALLTOALL_BASE, {out}, opts.timeout,
+  return enqueue(OpType::ALLTOALL_BASE, site.op, {out}, opts.timeout,
                  [in, out, dt, sc, sd, rc, rd](Communicator& c, const Deadline& dl) {
                    return c.allToAll(ptr(in), sc, sd, ptr(out), rc, rd, dt, dl);
                  });
@@ -584,7 +658,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::alltoall(std::vector<at::Tensor
   std::vector<at::Tensor> ins = inputs;
   std::vector<at::Tensor> outs = outputs;
   int64_t total = static_cast<int64_t>(ro);
-  return enqueue(OpType::ALLTOALL, outs, opts.timeout,
+  return enqueue(OpType::ALLTOALL, site.op, outs, opts.timeout,
                  [ins, outs, dt, sc, sd, rc, rd, total](Communicator& c, const Deadline& dl) {
                    std::vector<at::Tensor> views;
                    for (const at::Tensor& t : ins) {
@@ -612,7 +686,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::send(std::vector<at::Tensor>& t
   commFor(tensors, site.op);
   toDataType(site, tensors[0].scalar_type());
   const at::Tensor& t = tensors[0];
-  return enqueueP2P(OpType::SEND, t, P2POp{P2POp::Kind::kSend, dstRank, ptr(t), t.nbytes(), static_cast<uint64_t>(tag)});
+  return enqueueP2P(OpType::SEND, site.op, t, P2POp{P2POp::Kind::kSend, dstRank, ptr(t), t.nbytes(), static_cast<uint64_t>(tag)});
 }
 
 c10::intrusive_ptr<c10d::Work> ResilientBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
@@ -625,7 +699,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::recv(std::vector<at::Tensor>& t
   commFor(tensors, site.op);
   toDataType(site, tensors[0].scalar_type());
   const at::Tensor& t = tensors[0];
-  return enqueueP2P(OpType::RECV, t, P2POp{P2POp::Kind::kRecv, srcRank, ptr(t), t.nbytes(), static_cast<uint64_t>(tag)});
+  return enqueueP2P(OpType::RECV, site.op, t, P2POp{P2POp::Kind::kRecv, srcRank, ptr(t), t.nbytes(), static_cast<uint64_t>(tag)});
 }
 
 c10::intrusive_ptr<c10d::Work> ResilientBackend::recvAnysource(std::vector<at::Tensor>&, int) {
@@ -634,7 +708,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::recvAnysource(std::vector<at::T
 }
 
 c10::intrusive_ptr<c10d::Work> ResilientBackend::barrier(const c10d::BarrierOptions& opts) {
-  return enqueue(OpType::BARRIER, {}, opts.timeout,
+  return enqueue(OpType::BARRIER, "barrier", {}, opts.timeout,
                  [](Communicator& c, const Deadline& dl) { return c.barrier(dl); });
 }
 

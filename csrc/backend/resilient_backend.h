@@ -25,6 +25,7 @@
 
 #include "backend/resilient_work.h"
 #include "comm/communicator.h"
+#include "watchdog/watchdog.h"
 
 namespace resilient_comm {
 
@@ -49,8 +50,13 @@ class ResilientBackend : public c10d::Backend {
   uint64_t getSequenceNumberForGroup() override;
   void setSequenceNumberForGroup() override {}
 
-  // Aborts with a reason (the Python API's resilient_comm.abort()).
+  // Aborts with a reason (the Python API's resilient_comm.abort()); returns within
+  // RESILIENT_COMM_ABORT_BOUND_MS even if the transport's abort blocks (see reaper.h).
   void abortWithReason(const std::string& reason);
+  // The group's first error as a CommErrorInfo, or nullopt while it is healthy.
+  std::optional<CommErrorInfo> errorInfo() const;
+  // Barrier that names the ranks which did not arrive by the deadline (rank 0 collects).
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override;
   // The communicator's first error, or Ok.
   Status commError() const;
   std::shared_ptr<Communicator> cpuComm() const {
@@ -100,7 +106,7 @@ class ResilientBackend : public c10d::Backend {
   using Body = std::function<Status(Communicator&, const Deadline&)>;
 
   // Queues `body` on the worker; the Work completes with its Status.
-  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* opName, std::vector<at::Tensor> outputs,
                                          std::chrono::milliseconds timeout, Body body);
   // The communicator for these tensors' device, after checking they share it.
   Communicator& commFor(const std::vector<at::Tensor>& tensors, const char* op);
@@ -117,9 +123,15 @@ class ResilientBackend : public c10d::Backend {
     Deadline deadline;
     Body body;
     std::optional<P2POp> p2p;
+    Watchdog::Id watchId;
   };
-  c10::intrusive_ptr<c10d::Work> enqueueP2P(c10d::OpType type, const at::Tensor& t, P2POp op);
+  c10::intrusive_ptr<c10d::Work> enqueueP2P(c10d::OpType type, const char* opName, const at::Tensor& t, P2POp op);
+  // Creates the Work, arms the watchdog and queues the task.
+  c10::intrusive_ptr<c10d::Work> push(c10d::OpType type, const char* opName, std::vector<at::Tensor> outputs,
+                                      std::chrono::milliseconds timeout, Body body, std::optional<P2POp> p2p);
+  void finishTask(Task& task, const Status& st);
   void runP2PGroup(std::vector<Task>& group);
+  CommErrorInfo site(const char* op) const;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Task> queue_;

@@ -23,6 +23,10 @@ namespace resilient_comm::env {
     "cost model: bandwidth of one connection, in GB/s")                                          \
   X(kNcclLib, "RESILIENT_COMM_NCCL_LIB", "",                                                     \
     "path of the libnccl to load before trying the one torch loaded and the nvidia-nccl wheel")  \
+  X(kWatchdogGraceMs, "RESILIENT_COMM_WATCHDOG_GRACE_MS", "250",                                 \
+    "the watchdog aborts an op this long after its deadline if the transport has not failed it") \
+  X(kAbortBoundMs, "RESILIENT_COMM_ABORT_BOUND_MS", "2000",                                      \
+    "longest wait for a communicator abort; past it the process is marked tainted and goes on")  \
   X(kLogLevel, "RESILIENT_COMM_LOG_LEVEL", "warning", "debug, info, warning or error")
 
 enum class Knob {

@@ -6,6 +6,8 @@
 
 #include "backend/resilient_backend.h"
 #include "common/env.h"
+#include "watchdog/reaper.h"
+#include "watchdog/watchdog.h"
 #include "transport/nccl/nccl_api.h"
 #include "transport/tcp/tcp_communicator.h"
 
@@ -37,11 +39,38 @@ py::dict capsDict(const resilient_comm::Caps& c) {
   return d;
 }
 
+// The resilient_comm.errors exception for `info`.
+py::object toPython(const resilient_comm::CommErrorInfo& info) {
+  py::object cls = py::module_::import("resilient_comm.errors").attr(info.pythonClass());
+  py::object seq = info.seq ? py::object(py::int_(*info.seq)) : py::object(py::none());
+  return cls(info.message(), info.rank, info.group, info.op, seq, info.cause);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "resilient_comm native core";
   py::module_::import("torch.distributed");
+
+  // Torch's bindings (Work.wait, futures) rethrow our CommException; translators are shared
+  // with torch's pybind11 and tried newest first, so this one turns it into the matching
+  // resilient_comm.errors class before torch's maps it to a plain DistBackendError.
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) {
+        std::rethrow_exception(p);
+      }
+    } catch (const resilient_comm::CommException& e) {
+      py::object exc = toPython(e.info());
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+    }
+  });
+
+  m.def("tainted", [] {
+    return resilient_comm::Reaper::tainted() ? py::object(py::str(resilient_comm::Reaper::taintReason()))
+                                             : py::object(py::none());
+  });
+  m.def("watchdog_watching", [] { return resilient_comm::Watchdog::instance().watching(); });
 
   py::class_<ResilientBackend, c10d::Backend, c10::intrusive_ptr<ResilientBackend>>(m, "ResilientBackend")
       .def("abort_with_reason", &ResilientBackend::abortWithReason, py::arg("reason"),
@@ -49,13 +78,26 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "comm_error",
           [](const ResilientBackend& b) -> py::object {
-            resilient_comm::Status st = b.commError();
-            if (st.isOk()) {
-              return py::none();
-            }
-            return py::str(st.toString());
+            auto info = b.errorInfo();
+            return info ? toPython(*info) : py::none();
           },
-          "The communicator's first error as text, or None while it is healthy.")
+          "The communicator's first error as a resilient_comm.errors exception, or None while it is healthy.")
+      .def(
+          "_direct_all_reduce",
+          [](ResilientBackend& b, at::Tensor& t, int iters) {
+            // Benchmark only: runs `iters` SUM all-reduces on the communicator from the calling
+            // thread, bypassing the worker. Only valid while no op is in flight on the group.
+            TORCH_CHECK(t.is_cpu() && t.is_contiguous() && t.scalar_type() == at::kFloat,
+                        "_direct_all_reduce takes a contiguous CPU float32 tensor");
+            py::gil_scoped_release release;
+            for (int i = 0; i < iters; ++i) {
+              resilient_comm::Status st = b.cpuComm()->allReduce(
+                  t.data_ptr(), t.numel(), resilient_comm::DataType::kFloat32, resilient_comm::RedOp::kSum,
+                  resilient_comm::Deadline::after(std::chrono::seconds(60)));
+              TORCH_CHECK(st.isOk(), st.toString());
+            }
+          },
+          py::arg("tensor"), py::arg("iters"))
       .def("comm_state",
            [](const ResilientBackend& b) { return std::string(resilient_comm::commStateName(b.cpuComm()->state())); })
       .def("comm_caps", [](const ResilientBackend& b) { return capsDict(b.cpuComm()->caps()); });

@@ -227,20 +227,34 @@ void TcpCommunicator::shutdownSockets() {
   }
 }
 
-Status TcpCommunicator::fail(const Status& st) {
+Status TcpCommunicator::fail(const Status& st, const std::string& where) {
   if (st.isOk() || st.code() == StatusCode::kInvalidArgument) {
     return st;  // a local argument error leaves the communicator usable
   }
+  bool first = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (state_.load() == CommState::kReady) {
-      error_ = st;
+      error_ = st.withContext(where);
       state_.store(CommState::kError);
+      first = true;
     }
   }
   abort_.abort(st.message());
   shutdownSockets();
-  return error();
+  // The op that broke the communicator reports its own cause; an op that merely ran into an
+  // abort from another thread reports that abort (the first error wins).
+  return first ? st : error();
+}
+
+// Ok if the communicator can run an op (waiting for a pending init, bounded by `dl`).
+Status TcpCommunicator::ready(const Deadline& dl) {
+  CommState s = state_.load();
+  if (s == CommState::kInitializing) {
+    RC_RETURN_IF_ERROR(waitReady(dl));
+    s = state_.load();
+  }
+  return s == CommState::kReady ? Status::ok() : error();
 }
 
 template <typename Fn>
@@ -248,25 +262,13 @@ Status TcpCommunicator::collective(OpKind op, DataType dt, RedOp redop, const De
   const uint64_t seq = seq_++;
   const std::string where = std::string(opKindName(op)) + " #" + std::to_string(seq) + " on group '" + opts_.name +
                             "' rank " + std::to_string(opts_.rank);
-  CommState s = state_.load();
-  if (s == CommState::kInitializing) {
-    RC_RETURN_IF_ERROR(waitReady(dl).withContext(where));
-    s = state_.load();
-  }
-  if (s != CommState::kReady) {
-    return error().withContext(where);
-  }
+  RC_RETURN_IF_ERROR(ready(dl));
   if (redop == RedOp::kAvg && !isFloatingPoint(dt)) {
-    return Status(StatusCode::kInvalidArgument,
-                  where + ": avg needs a floating-point dtype, got " + dataTypeName(dt));
+    return Status(StatusCode::kInvalidArgument, std::string("avg needs a floating-point dtype, got ") + dataTypeName(dt));
   }
   AlgoContext ctx{peers_, opts_.rank, opts_.size, MsgMeta{op, dt, redop, seq, 0}, dl, abort_, scratch_,
                   model_.chunkBytes};
-  Status st = body(ctx);
-  if (st.isOk()) {
-    return st;
-  }
-  return fail(st.withContext(where));
+  return fail(body(ctx), where);
 }
 
 Status TcpCommunicator::checkRoot(int root, const char* what) const {
@@ -408,14 +410,7 @@ Status TcpCommunicator::sendRecv(const std::vector<P2POp>& ops, const Deadline& 
   // Point-to-point ops do not take a collective sequence number: only the two ranks involved
   // call them. Each direction of each pair counts its own messages instead.
   const std::string where = "send/recv on group '" + opts_.name + "' rank " + std::to_string(opts_.rank);
-  CommState s = state_.load();
-  if (s == CommState::kInitializing) {
-    RC_RETURN_IF_ERROR(waitReady(dl).withContext(where));
-    s = state_.load();
-  }
-  if (s != CommState::kReady) {
-    return error().withContext(where);
-  }
+  RC_RETURN_IF_ERROR(ready(dl));
   Transfer x(peers_, opts_.rank, MsgMeta{OpKind::kSendRecv, DataType::kUInt8, RedOp::kSum, 0, 0}, dl, abort_);
   for (const P2POp& op : ops) {
     if (op.kind == P2POp::Kind::kSend) {
@@ -424,8 +419,7 @@ Status TcpCommunicator::sendRecv(const std::vector<P2POp>& ops, const Deadline& 
       x.recvP2P(op.peer, op.buf, op.bytes, recvSeq_[op.peer]++, op.tag);
     }
   }
-  Status st = x.run();
-  return st.isOk() ? st : fail(st.withContext(where));
+  return fail(x.run(), where);
 }
 
 Result<std::shared_ptr<Communicator>> TcpCommunicator::shrink(const std::vector<int>&, bool, const Deadline&) {

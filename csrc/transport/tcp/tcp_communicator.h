@@ -105,7 +105,8 @@ class TcpCommunicator : public Communicator, public std::enable_shared_from_this
   template <typename Fn>
   Status collective(OpKind op, DataType dt, RedOp redop, const Deadline& dl, Fn&& body);
   Status checkRoot(int root, const char* what) const;
-  Status fail(const Status& st);
+  Status fail(const Status& st, const std::string& where);
+  Status ready(const Deadline& dl);
   void shutdownSockets();
 
   TcpOptions opts_;
