@@ -20,6 +20,7 @@ import torch.distributed as dist
 from resilient_comm import _C
 from resilient_comm.api import abort, errored, tainted
 from resilient_comm.config import knobs
+from resilient_comm.groups import grow, join, shrink, split
 from resilient_comm.errors import (
     CommAbortedError,
     CommError,
@@ -37,7 +38,11 @@ __all__ = [
     "PeerFailureError",
     "abort",
     "errored",
+    "grow",
+    "join",
     "knobs",
+    "shrink",
+    "split",
     "tainted",
 ]
 __version__ = "0.1.0"

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <numeric>
 
 #include "backend/tensor_args.h"
@@ -44,6 +45,79 @@ ResilientBackend::ResilientBackend(c10::intrusive_ptr<c10d::Store> store, int ra
   worker_ = std::thread([this] { workerLoop(); });
 }
 
+ResilientBackend::ResilientBackend(std::shared_ptr<Communicator> comm, BackendOptions opts)
+    : c10d::Backend(comm->rank(), comm->size()), opts_(std::move(opts)), timeout_(opts_.timeout), cpu_(std::move(comm)) {
+  worker_ = std::thread([this] { workerLoop(); });
+}
+
+c10::intrusive_ptr<ResilientBackend> ResilientBackend::join(const c10::intrusive_ptr<c10d::Store>& store,
+                                                            const std::string& joinKey, int rank, int newSize,
+                                                            int existingSize, BackendOptions opts) {
+  if (existingSize < 1 || rank < existingSize || rank >= newSize) {
+    C10_THROW_ERROR(ValueError, "join: rank " + std::to_string(rank) + " must be in [" + std::to_string(existingSize) +
+                                    ", " + std::to_string(newSize) + ") (the ranks after the existing members)");
+  }
+  tcp::TcpOptions t;
+  t.name = opts.groupName;
+  t.store = store;
+  t.prefix = joinKey;
+  t.rank = rank;
+  t.size = newSize;
+  auto comm = tcp::TcpCommunicator::join(std::move(t), existingSize, Deadline::after(opts.timeout));
+  return c10::make_intrusive<ResilientBackend>(std::move(comm), std::move(opts));
+}
+
+c10::intrusive_ptr<ResilientBackend> ResilientBackend::adopt(Result<std::shared_ptr<Communicator>> r, const char* move,
+                                                             const std::string& suffix) {
+  if (!r.isOk()) {
+    if (r.status().code() == StatusCode::kInvalidArgument) {
+      C10_THROW_ERROR(ValueError, opts_.backendName + " " + move + " of group '" + opts_.groupName + "' on rank " +
+                                      std::to_string(rank_) + ": " + r.status().message());
+    }
+    CommErrorInfo info = site(move);
+    info.code = r.status().code();
+    info.cause = r.status().message();
+    throw CommException(std::move(info));
+  }
+  if (!r.value()) {
+    return {};
+  }
+  BackendOptions o = opts_;
+  o.groupName = opts_.groupName + suffix;
+  o.timeout = timeout_;
+  return c10::make_intrusive<ResilientBackend>(r.take(), std::move(o));
+}
+
+c10::intrusive_ptr<c10d::Backend> ResilientBackend::shrink(const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
+                                                           const c10::intrusive_ptr<Options>& optsOverride) {
+  std::vector<int> exclude(ranksToExclude.begin(), ranksToExclude.end());
+  bool afterError = (shrinkFlags & 1) != 0 || !cpu_->error().isOk();
+  return adopt(cpu_->shrink(exclude, afterError, Deadline::after(timeout_)), "shrink", ":shrunk");
+}
+
+c10::intrusive_ptr<c10d::Backend> ResilientBackend::split(const c10::intrusive_ptr<c10d::Store>& store,
+                                                          const std::vector<int>& ranks,
+                                                          const c10::intrusive_ptr<Options>& opts) {
+  bool member = std::find(ranks.begin(), ranks.end(), rank_) != ranks.end();
+  // The group's lowest parent rank names it: disjoint groups get distinct colors.
+  return splitByColor(member ? *std::min_element(ranks.begin(), ranks.end()) : -1, rank_);
+}
+
+c10::intrusive_ptr<ResilientBackend> ResilientBackend::splitByColor(int color, int key) {
+  auto out = std::make_shared<Result<std::shared_ptr<Communicator>>>(Status(StatusCode::kInternal, "not run"));
+  auto work = enqueue(OpType::UNKNOWN, "split", {}, timeout_, [out, color, key](Communicator& c, const Deadline& dl) {
+    *out = c.split(color, key, dl);
+    return out->isOk() ? Status::ok() : out->status();
+  });
+  work->wait(kNoTimeout);  // raises the split's failure; on success `out` is complete
+  return adopt(std::move(*out), "split", ":split");
+}
+
+c10::intrusive_ptr<ResilientBackend> ResilientBackend::grow(int newSize, const c10::intrusive_ptr<c10d::Store>& store,
+                                                            const std::string& joinKey) {
+  return adopt(cpu_->grow(newSize, store, joinKey, Deadline::after(timeout_)), "grow", ":grown");
+}
+
 ResilientBackend::~ResilientBackend() {
   bool busy = false;
   {
@@ -63,6 +137,13 @@ ResilientBackend::~ResilientBackend() {
 void ResilientBackend::setTimeout(std::chrono::milliseconds timeout) {
   std::lock_guard<std::mutex> lock(mu_);
   timeout_ = timeout;
+}
+
+c10::intrusive_ptr<c10d::Backend::Options> ResilientBackend::getBackendOptions() {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto o = c10::make_intrusive<Options>(opts_.backendName, timeout_);
+  o->group_name = opts_.groupName;
+  return o;
 }
 
 c10d::ErrorType ResilientBackend::getError() {

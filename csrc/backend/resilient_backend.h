@@ -38,12 +38,41 @@ struct BackendOptions {
 class ResilientBackend : public c10d::Backend {
  public:
   ResilientBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size, BackendOptions opts);
+  // Wraps a communicator made by shrink, split, grow or join (it may still be building).
+  ResilientBackend(std::shared_ptr<Communicator> comm, BackendOptions opts);
   ~ResilientBackend() override;
+
+  // A hot spare's side of a grow: rank in [existingSize, newSize), meeting the members that
+  // call grow(newSize, store, joinKey).
+  static c10::intrusive_ptr<ResilientBackend> join(const c10::intrusive_ptr<c10d::Store>& store,
+                                                   const std::string& joinKey, int rank, int newSize,
+                                                   int existingSize, BackendOptions opts);
+
+  bool supportsShrinking() const override {
+    return true;
+  }
+  bool supportsSplitting() const override {
+    return true;
+  }
+  // Survivors only. shrinkFlags & 1 (SHRINK_ABORT), or a failed group, aborts this group first.
+  c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
+                                           const c10::intrusive_ptr<Options>& optsOverride) override;
+  // Every member calls it; `ranks` is the sorted list of this rank's new group (parent ranks),
+  // or a list without this rank to take part without joining a group (returns null).
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<Options>& opts) override;
+  // Every member calls it; members with the same color form a group ordered by key (ties by
+  // rank). A negative color takes part without joining: returns null.
+  c10::intrusive_ptr<ResilientBackend> splitByColor(int color, int key);
+  // Every member calls it, while the joiners call join(); members keep their ranks.
+  c10::intrusive_ptr<ResilientBackend> grow(int newSize, const c10::intrusive_ptr<c10d::Store>& store,
+                                            const std::string& joinKey);
 
   const std::string getBackendName() const override {
     return opts_.backendName;
   }
   void setTimeout(std::chrono::milliseconds timeout) override;
+  c10::intrusive_ptr<Options> getBackendOptions() override;
   c10d::ErrorType getError() override;
   void abort() override;
   void shutdown() override;
@@ -111,6 +140,10 @@ class ResilientBackend : public c10d::Backend {
   // The communicator for these tensors' device, after checking they share it.
   Communicator& commFor(const std::vector<at::Tensor>& tensors, const char* op);
   void workerLoop();
+
+  // A child backend over `r`, or the error of the move as an exception.
+  c10::intrusive_ptr<ResilientBackend> adopt(Result<std::shared_ptr<Communicator>> r, const char* move,
+                                             const std::string& suffix);
 
   const BackendOptions opts_;
   std::chrono::milliseconds timeout_;

@@ -23,9 +23,15 @@
 #include <string>
 #include <vector>
 
+#include <c10/util/intrusive_ptr.h>
+
 #include "common/deadline.h"
 #include "common/status.h"
 #include "comm/types.h"
+
+namespace c10d {
+class Store;
+}
 
 namespace resilient_comm {
 
@@ -97,15 +103,19 @@ class Communicator {
   virtual Status sendRecv(const std::vector<P2POp>& ops, const Deadline& dl) = 0;
 
   // Fault-tolerance moves (DESIGN.md §3). Transports that lack one return kNotSupported.
+  // Each returns the new communicator at once, still Initializing (waitReady() it; abort() it
+  // to stop the build); the parent is left as it was unless said otherwise.
   // shrink: called by survivors only; they are renumbered contiguously in their old order.
+  // afterError aborts the parent first (its pending ops fail at once).
   virtual Result<std::shared_ptr<Communicator>> shrink(const std::vector<int>& exclude, bool afterError,
                                                        const Deadline& dl) = 0;
   // split: called by every member; color < 0 means "not in any new group" (returns null).
   virtual Result<std::shared_ptr<Communicator>> split(int color, int key, const Deadline& dl) = 0;
-  // grow: called by every member; joiners (hot spares) meet them under `joinKey` and take the
-  // ranks size()..newSize-1. Existing members keep their ranks.
-  virtual Result<std::shared_ptr<Communicator>> grow(int newSize, const std::string& joinKey,
-                                                     const Deadline& dl) = 0;
+  // grow: called by every member; joiners (hot spares) meet them under `joinKey` of `store`
+  // (a store every process of the job reaches) and take the ranks size()..newSize-1.
+  // Existing members keep their ranks.
+  virtual Result<std::shared_ptr<Communicator>> grow(int newSize, const c10::intrusive_ptr<c10d::Store>& store,
+                                                     const std::string& joinKey, const Deadline& dl) = 0;
 };
 
 }  // namespace resilient_comm

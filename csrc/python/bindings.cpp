@@ -98,12 +98,29 @@ PYBIND11_MODULE(_C, m) {
             }
           },
           py::arg("tensor"), py::arg("iters"))
+      .def("split_by_color", &ResilientBackend::splitByColor, py::arg("color"), py::arg("key"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("grow", &ResilientBackend::grow, py::arg("new_size"), py::arg("store"), py::arg("join_key"),
+           py::call_guard<py::gil_scoped_release>())
       .def("comm_state",
            [](const ResilientBackend& b) { return std::string(resilient_comm::commStateName(b.cpuComm()->state())); })
       .def("comm_caps", [](const ResilientBackend& b) { return capsDict(b.cpuComm()->caps()); });
 
   m.def("create_backend", &createBackend, py::arg("backend_name"), py::arg("store"), py::arg("rank"),
         py::arg("size"), py::arg("timeout_seconds"), py::arg("group_name"));
+
+  m.def(
+      "join_backend",
+      [](const c10::intrusive_ptr<c10d::Store>& store, const std::string& joinKey, int rank, int newSize,
+         int existingSize, double timeoutSeconds, const std::string& groupName) {
+        BackendOptions opts;
+        opts.backendName = "resilient_tcp";
+        opts.groupName = groupName;
+        opts.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000.0));
+        return ResilientBackend::join(store, joinKey, rank, newSize, existingSize, std::move(opts));
+      },
+      py::arg("store"), py::arg("join_key"), py::arg("rank"), py::arg("new_size"), py::arg("existing_size"),
+      py::arg("timeout_seconds"), py::arg("group_name"));
 
   m.def("knobs", [] {
     py::list out;

@@ -1,5 +1,6 @@
 #include "transport/tcp/tcp_communicator.h"
 
+#include <algorithm>
 #include <cstring>
 #include <thread>
 
@@ -8,19 +9,12 @@
 #include "common/check.h"
 #include "common/logging.h"
 #include "transport/tcp/reduce.h"
+#include "transport/tcp/mesh.h"
 #include "transport/tcp/socket.h"
 
 namespace resilient_comm::tcp {
 
 namespace {
-
-uint64_t fnv1a(const std::string& s) {
-  uint64_t h = 1469598103934665603ULL;
-  for (unsigned char ch : s) {
-    h = (h ^ ch) * 1099511628211ULL;
-  }
-  return h;
-}
 
 template <typename Fn>
 Status storeCall(const char* what, Fn&& fn) {
@@ -32,8 +26,12 @@ Status storeCall(const char* what, Fn&& fn) {
   }
 }
 
-std::string bytesToString(const std::vector<uint8_t>& v) {
-  return std::string(v.begin(), v.end());
+std::string joinList(const std::vector<int>& v) {
+  std::string s;
+  for (int x : v) {
+    s += std::to_string(x) + ",";
+  }
+  return s;
 }
 
 }  // namespace
@@ -47,7 +45,14 @@ TcpCommunicator::TcpCommunicator(TcpOptions opts)
 
 std::shared_ptr<TcpCommunicator> TcpCommunicator::create(TcpOptions opts, const Deadline& initDeadline) {
   std::shared_ptr<TcpCommunicator> comm(new TcpCommunicator(std::move(opts)));
-  std::thread([comm, initDeadline] { comm->runInit(initDeadline); }).detach();
+  comm->start([](TcpCommunicator& c, const Deadline& dl) { return c.initFromStore(dl); }, initDeadline);
+  return comm;
+}
+
+std::shared_ptr<TcpCommunicator> TcpCommunicator::join(TcpOptions opts, int existingSize, const Deadline& dl) {
+  std::shared_ptr<TcpCommunicator> comm(new TcpCommunicator(std::move(opts)));
+  comm->start([existingSize](TcpCommunicator& c, const Deadline& d) { return c.joinFromStore(existingSize, d); },
+              dl);
   return comm;
 }
 
@@ -57,6 +62,9 @@ Caps TcpCommunicator::transportCaps() {
   Caps c;
   c.nonBlockingInit = true;
   c.abort = true;
+  c.split = true;
+  c.shrink = true;
+  c.grow = true;
   c.multiRankPerDevice = true;
   return c;
 }
@@ -66,30 +74,35 @@ Status TcpCommunicator::error() const {
   return error_;
 }
 
-void TcpCommunicator::runInit(const Deadline& dl) {
-  Status st = connectMesh(dl);
-  std::lock_guard<std::mutex> lock(mu_);
-  if (state_.load() != CommState::kInitializing) {
-    return;  // aborted meanwhile; abort() recorded the reason
-  }
-  if (st.isOk()) {
-    state_.store(CommState::kReady);
-    return;
-  }
-  error_ = st.withContext("init of group '" + opts_.name + "' on rank " + std::to_string(opts_.rank));
-  state_.store(CommState::kError);
-  for (Peer& p : peers_) {
-    p.sock.shutdownBoth();
-  }
+void TcpCommunicator::start(std::function<Status(TcpCommunicator&, const Deadline&)> plan, const Deadline& dl) {
+  std::shared_ptr<TcpCommunicator> self = shared_from_this();
+  std::thread([self, plan = std::move(plan), dl] {
+    Status st = self->opts_.size == 1 ? Status::ok() : plan(*self, dl);
+    std::lock_guard<std::mutex> lock(self->mu_);
+    if (self->state_.load() != CommState::kInitializing) {
+      return;  // aborted meanwhile; abort() recorded the reason
+    }
+    if (st.isOk()) {
+      self->state_.store(CommState::kReady);
+      return;
+    }
+    self->error_ =
+        st.withContext("building group '" + self->opts_.name + "' on rank " + std::to_string(self->opts_.rank));
+    self->state_.store(CommState::kError);
+    for (Peer& p : self->peers_) {
+      p.sock.shutdownBoth();
+    }
+  }).detach();
 }
 
-Status TcpCommunicator::waitForKeys(const std::vector<std::string>& keys, const Deadline& dl) {
+Status TcpCommunicator::waitForKeys(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<std::string>& keys,
+                                    const Deadline& dl) {
   // check() is one round trip and never blocks; back off between checks (waking at once on
   // abort) rather than blocking in store->wait(), which cannot be interrupted.
-  std::chrono::microseconds backoff(500);
+  std::chrono::microseconds backoff(200);
   for (;;) {
     bool present = false;
-    RC_RETURN_IF_ERROR(storeCall("check", [&] { present = opts_.store->check(keys); }));
+    RC_RETURN_IF_ERROR(storeCall("check", [&] { present = store->check(keys); }));
     if (present) {
       return Status::ok();
     }
@@ -97,85 +110,196 @@ Status TcpCommunicator::waitForKeys(const std::vector<std::string>& keys, const 
       return Status(StatusCode::kAborted, abort_.reason());
     }
     if (dl.passed()) {
-      return Status(StatusCode::kTimeout, "waited for the store key(s) of " + std::to_string(keys.size()) +
-                                              " lower rank(s) until the init deadline; is every rank calling init?");
+      std::string missing;
+      for (const std::string& k : keys) {
+        bool has = false;
+        (void)storeCall("check", [&] { has = store->check({k}); });
+        if (!has) {
+          missing += (missing.empty() ? "" : ", ") + k;
+        }
+      }
+      return Status(StatusCode::kTimeout, "these store keys never appeared before the deadline: " + missing +
+                                              " (is every rank taking part?)");
     }
-    abort_.waitFor(std::chrono::duration_cast<std::chrono::milliseconds>(backoff) + std::chrono::milliseconds(0));
-    backoff = std::min(backoff * 2, std::chrono::microseconds(20000));
+    abort_.waitFor(std::chrono::duration_cast<std::chrono::milliseconds>(backoff));
+    backoff = std::min(backoff * 2, std::chrono::microseconds(10000));
   }
 }
 
-Status TcpCommunicator::connectMesh(const Deadline& dl) {
-  const int rank = opts_.rank;
-  const int size = opts_.size;
-  if (size == 1) {
-    return Status::ok();
+Result<std::vector<std::string>> TcpCommunicator::fetch(const c10::intrusive_ptr<c10d::Store>& store,
+                                                        const std::vector<std::string>& keys, const Deadline& dl) {
+  RC_RETURN_IF_ERROR(waitForKeys(store, keys, dl));
+  std::vector<std::vector<uint8_t>> values;
+  RC_RETURN_IF_ERROR(storeCall("multiGet", [&] { values = store->multiGet(keys); }));
+  std::vector<std::string> out;
+  for (const auto& v : values) {
+    out.emplace_back(v.begin(), v.end());
   }
+  return out;
+}
+
+Status TcpCommunicator::publishListener(const c10d::Store& store, const std::string& key) {
+  int port = 0;
+  Result<Socket> listener = listenAnyPort(&port);
+  RC_RETURN_IF_ERROR(listener.status());
+  listener_ = std::make_shared<Socket>(listener.take());
+  std::string addr = publishedHost() + ":" + std::to_string(port);
+  return storeCall("set", [&] {
+    const_cast<c10d::Store&>(store).set(key, std::vector<uint8_t>(addr.begin(), addr.end()));
+  });
+}
+
+Status TcpCommunicator::buildMesh(const Deadline& dl) {
+  MeshSpec spec{opts_.rank, opts_.size, addrs_, fnv1a(epoch_) ^ static_cast<uint64_t>(opts_.size)};
+  return tcp::buildMesh(spec, *listener_, peers_, mu_, dl, abort_);
+}
+
+Status TcpCommunicator::initFromStore(const Deadline& dl) {
+  const int rank = opts_.rank;
   int64_t incarnation = 0;
   RC_RETURN_IF_ERROR(storeCall("add", [&] {
     incarnation = opts_.store->add(opts_.prefix + "incarnation/" + std::to_string(rank), 1);
   }));
-  const std::string epoch = opts_.prefix + "e" + std::to_string(incarnation) + "/";
-  const uint64_t hash = fnv1a(epoch) ^ static_cast<uint64_t>(size);
-  auto addrKey = [&](int r) { return epoch + "addr/" + std::to_string(r); };
+  epoch_ = opts_.prefix + "e" + std::to_string(incarnation) + "/";
+  auto addrKey = [&](int r) { return epoch_ + "addr/" + std::to_string(r); };
+  RC_RETURN_IF_ERROR(publishListener(*opts_.store, addrKey(rank)));
+  std::vector<std::string> keys;
+  for (int j = 0; j < opts_.size; ++j) {
+    keys.push_back(addrKey(j));
+  }
+  RC_ASSIGN_OR_RETURN(addrs_, fetch(opts_.store, keys, dl));
+  return buildMesh(dl);
+}
 
-  int port = 0;
-  Result<Socket> listener = listenAnyPort(&port);
-  RC_RETURN_IF_ERROR(listener.status());
-  std::string addr = publishedHost() + ":" + std::to_string(port);
-  RC_RETURN_IF_ERROR(storeCall("set", [&] {
-    opts_.store->set(addrKey(rank), std::vector<uint8_t>(addr.begin(), addr.end()));
-  }));
+Status TcpCommunicator::joinFromStore(int existingSize, const Deadline& dl) {
+  epoch_ = opts_.prefix;
+  RC_RETURN_IF_ERROR(publishListener(*opts_.store, opts_.prefix + "addr/" + std::to_string(opts_.rank)));
+  std::vector<std::string> keys{opts_.prefix + "book"};
+  for (int j = existingSize; j < opts_.size; ++j) {
+    keys.push_back(opts_.prefix + "addr/" + std::to_string(j));
+  }
+  std::vector<std::string> values;
+  RC_ASSIGN_OR_RETURN(values, fetch(opts_.store, keys, dl));
+  addrs_.clear();
+  std::string book = values[0];
+  for (size_t pos = 0; pos < book.size();) {
+    size_t end = book.find(';', pos);
+    addrs_.push_back(book.substr(pos, end - pos));
+    pos = end == std::string::npos ? book.size() : end + 1;
+  }
+  if (static_cast<int>(addrs_.size()) != existingSize) {
+    return Status(StatusCode::kMismatch, "the group being grown has " + std::to_string(addrs_.size()) +
+                                             " members but this joiner was told " + std::to_string(existingSize));
+  }
+  addrs_.insert(addrs_.end(), values.begin() + 1, values.end());
+  return buildMesh(dl);
+}
 
-  std::vector<std::string> lower;
-  for (int j = 0; j < rank; ++j) {
-    lower.push_back(addrKey(j));
+std::shared_ptr<TcpCommunicator> TcpCommunicator::derive(const std::vector<int>& members, const std::string& tag,
+                                                         const Deadline& dl) {
+  TcpOptions o = opts_;
+  o.size = static_cast<int>(members.size());
+  o.rank = static_cast<int>(std::find(members.begin(), members.end(), opts_.rank) - members.begin());
+  std::shared_ptr<TcpCommunicator> child(new TcpCommunicator(std::move(o)));
+  child->listener_ = listener_;
+  for (int m : members) {
+    child->addrs_.push_back(addrs_[m]);
   }
-  if (!lower.empty()) {
-    RC_RETURN_IF_ERROR(waitForKeys(lower, dl));
+  child->epoch_ = epoch_ + std::to_string(derived_++) + tag + joinList(members) + "/";
+  child->start([](TcpCommunicator& c, const Deadline& d) { return c.buildMesh(d); }, dl);
+  return child;
+}
+
+Result<std::shared_ptr<Communicator>> TcpCommunicator::shrink(const std::vector<int>& exclude, bool afterError,
+                                                              const Deadline& dl) {
+  const int n = opts_.size;
+  std::vector<bool> out(n, false);
+  for (int r : exclude) {
+    if (r < 0 || r >= n) {
+      return Status(StatusCode::kInvalidArgument, "shrink: rank " + std::to_string(r) +
+                                                      " to exclude is out of range for a group of " + std::to_string(n));
+    }
+    if (out[r]) {
+      return Status(StatusCode::kInvalidArgument, "shrink: rank " + std::to_string(r) + " is excluded twice");
+    }
+    if (r == opts_.rank) {
+      return Status(StatusCode::kInvalidArgument, "shrink: rank " + std::to_string(r) +
+                                                      " excludes itself; only survivors call shrink");
+    }
+    out[r] = true;
   }
-  for (int j = 0; j < rank; ++j) {
-    std::string peerAddr;
-    RC_RETURN_IF_ERROR(storeCall("get", [&] { peerAddr = bytesToString(opts_.store->get(addrKey(j))); }));
-    auto colon = peerAddr.rfind(':');
-    if (colon == std::string::npos) {
-      return Status(StatusCode::kInternal, "malformed address '" + peerAddr + "' for rank " + std::to_string(j));
-    }
-    Result<Socket> s = connectTo(peerAddr.substr(0, colon), std::stoi(peerAddr.substr(colon + 1)), dl, abort_);
-    RC_RETURN_IF_ERROR(s.status().withContext("connecting to rank " + std::to_string(j) + " at " + peerAddr));
-    Hello hello{kWireMagic, rank, size, 0, hash};
-    RC_RETURN_IF_ERROR(writeAll(s.value(), &hello, sizeof(hello), dl, abort_));
-    std::lock_guard<std::mutex> lock(mu_);
-    peers_[j].sock = s.take();
-    if (abort_.aborted()) {
-      peers_[j].sock.shutdownBoth();
+  if (static_cast<int>(exclude.size()) >= n) {
+    return Status(StatusCode::kInvalidArgument, "shrink: excluding all " + std::to_string(n) + " ranks leaves nobody");
+  }
+  RC_RETURN_IF_ERROR(built(dl));
+  if (afterError) {
+    abort("shrunk after an error");
+  }
+  std::vector<int> members;
+  for (int r = 0; r < n; ++r) {
+    if (!out[r]) {
+      members.push_back(r);
     }
   }
-  for (int accepted = 0; accepted < size - 1 - rank;) {
-    Result<Socket> s = acceptOne(listener.value(), dl, abort_);
-    if (s.status().code() == StatusCode::kTimeout) {
-      return Status(StatusCode::kTimeout, std::to_string(size - 1 - rank - accepted) +
-                                              " higher rank(s) never connected before the init deadline");
-    }
-    RC_RETURN_IF_ERROR(s.status());
-    Hello hello{};
-    Status st = readAll(s.value(), &hello, sizeof(hello), dl, abort_);
-    if (!st.isOk() || hello.magic != kWireMagic || hello.commHash != hash || hello.size != size ||
-        hello.rank <= rank || hello.rank >= size || peers_[hello.rank].sock.valid()) {
-      RC_LOG(kWarning, opts_.name << " rank " << rank << ": rejected a stray connection");
-      if (st.code() == StatusCode::kAborted) {
-        return st;
-      }
-      continue;
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    peers_[hello.rank].sock = s.take();
-    if (abort_.aborted()) {
-      peers_[hello.rank].sock.shutdownBoth();
-    }
-    ++accepted;
+  return std::shared_ptr<Communicator>(derive(members, "shrink:", dl));
+}
+
+Result<std::shared_ptr<Communicator>> TcpCommunicator::split(int color, int key, const Deadline& dl) {
+  const int n = opts_.size;
+  std::vector<int64_t> mine{color, key};
+  std::vector<int64_t> all(2 * static_cast<size_t>(n));
+  RC_RETURN_IF_ERROR(allGather(mine.data(), all.data(), 2, DataType::kInt64, dl));
+  if (color < 0) {
+    ++derived_;  // keep every member's count alike
+    return std::shared_ptr<Communicator>();
   }
-  return Status::ok();
+  std::vector<int> members;
+  for (int r = 0; r < n; ++r) {
+    if (all[2 * r] == color) {
+      members.push_back(r);
+    }
+  }
+  std::stable_sort(members.begin(), members.end(), [&](int a, int b) { return all[2 * a + 1] < all[2 * b + 1]; });
+  return std::shared_ptr<Communicator>(derive(members, "split" + std::to_string(color) + ":", dl));
+}
+
+Result<std::shared_ptr<Communicator>> TcpCommunicator::grow(int newSize, const c10::intrusive_ptr<c10d::Store>& store,
+                                                            const std::string& joinKey, const Deadline& dl) {
+  const int n = opts_.size;
+  if (newSize <= n) {
+    return Status(StatusCode::kInvalidArgument, "grow: the new size " + std::to_string(newSize) +
+                                                    " must exceed the current size " + std::to_string(n));
+  }
+  RC_RETURN_IF_ERROR(built(dl));
+  if (opts_.rank == 0) {
+    std::string book;
+    for (int r = 0; r < n; ++r) {
+      book += (r ? ";" : "") + addrs_.at(r);
+    }
+    RC_RETURN_IF_ERROR(storeCall("set", [&] { store->set(joinKey + "book", std::vector<uint8_t>(book.begin(), book.end())); }));
+  }
+  TcpOptions o = opts_;
+  o.size = newSize;
+  o.store = store;
+  o.prefix = joinKey;
+  std::shared_ptr<TcpCommunicator> child(new TcpCommunicator(std::move(o)));
+  child->listener_ = listener_;
+  child->addrs_ = addrs_;
+  child->epoch_ = joinKey;
+  ++derived_;
+  child->start(
+      [n](TcpCommunicator& c, const Deadline& d) -> Status {
+        std::vector<std::string> keys;
+        for (int j = n; j < c.opts_.size; ++j) {
+          keys.push_back(c.opts_.prefix + "addr/" + std::to_string(j));
+        }
+        std::vector<std::string> joiners;
+        RC_ASSIGN_OR_RETURN(joiners, c.fetch(c.opts_.store, keys, d));
+        c.addrs_.insert(c.addrs_.end(), joiners.begin(), joiners.end());
+        return c.buildMesh(d);
+      },
+      dl);
+  return std::shared_ptr<Communicator>(child);
 }
 
 Status TcpCommunicator::poll() {
@@ -245,6 +369,20 @@ Status TcpCommunicator::fail(const Status& st, const std::string& where) {
   // The op that broke the communicator reports its own cause; an op that merely ran into an
   // abort from another thread reports that abort (the first error wins).
   return first ? st : error();
+}
+
+// Ok once this communicator's own build finished with an address book, even if it failed or
+// was aborted since: shrink and grow need only the book and the listener.
+Status TcpCommunicator::built(const Deadline& dl) {
+  Status st = ready(dl);
+  if (st.isOk()) {
+    return st;
+  }
+  if (state_.load() == CommState::kInitializing || !listener_ || static_cast<int>(addrs_.size()) != opts_.size) {
+    return Status(StatusCode::kInvalidArgument,
+                  "group '" + opts_.name + "' never finished building, so it cannot be shrunk or grown: " + st.message());
+  }
+  return Status::ok();
 }
 
 // Ok if the communicator can run an op (waiting for a pending init, bounded by `dl`).
@@ -420,18 +558,6 @@ Status TcpCommunicator::sendRecv(const std::vector<P2POp>& ops, const Deadline& 
     }
   }
   return fail(x.run(), where);
-}
-
-Result<std::shared_ptr<Communicator>> TcpCommunicator::shrink(const std::vector<int>&, bool, const Deadline&) {
-  return Status(StatusCode::kNotSupported, "TcpCommunicator::shrink is not implemented yet");
-}
-
-Result<std::shared_ptr<Communicator>> TcpCommunicator::split(int, int, const Deadline&) {
-  return Status(StatusCode::kNotSupported, "TcpCommunicator::split is not implemented yet");
-}
-
-Result<std::shared_ptr<Communicator>> TcpCommunicator::grow(int, const std::string&, const Deadline&) {
-  return Status(StatusCode::kNotSupported, "TcpCommunicator::grow is not implemented yet");
 }
 
 }  // namespace resilient_comm::tcp

@@ -1,10 +1,15 @@
 // TcpCommunicator: the Communicator contract over TCP sockets (DESIGN.md §3, TCP transport).
 //
 // Lifecycle: create() returns at once in Initializing; a detached init thread publishes this
-// rank's listening address under an epoch-scoped store key, connects a full mesh (higher
-// ranks dial lower ones) and moves to Ready. The init thread holds a shared_ptr to the
-// communicator, so dropping the last user reference during init is safe; abort() stops it
-// within ~10 ms.
+// rank's listening address under an epoch-scoped store key, reads every rank's address (the
+// address book), connects a full mesh (see mesh.h) and moves to Ready. The init thread holds
+// a shared_ptr to the communicator, so dropping the last user reference during init is safe;
+// abort() stops it within ~10 ms.
+//
+// shrink/split/grow build a child the same way, on the child's own init thread, but from the
+// inherited address book and listener: no store round trip for shrink and split (grow uses
+// the store to meet the joiners). The listener lives as long as any communicator derived
+// from it; one shrink/split/grow at a time may be in flight per process and lineage.
 //
 // Threads: one thread at a time calls collectives/poll/waitReady (the backend's worker);
 // abort() from any thread. abort() sets the token and shutdown()s every socket, which wakes
@@ -12,6 +17,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -42,6 +48,9 @@ class TcpCommunicator : public Communicator, public std::enable_shared_from_this
  public:
   // Starts a non-blocking init that must finish by `initDeadline`.
   static std::shared_ptr<TcpCommunicator> create(TcpOptions opts, const Deadline& initDeadline);
+  // A joiner of a grow (a hot spare): opts.rank in [existingSize, opts.size); opts.store and
+  // opts.prefix are the store and join key the existing members pass to grow().
+  static std::shared_ptr<TcpCommunicator> join(TcpOptions opts, int existingSize, const Deadline& dl);
   ~TcpCommunicator() override;
 
   const std::string& name() const override {
@@ -87,7 +96,8 @@ class TcpCommunicator : public Communicator, public std::enable_shared_from_this
   Result<std::shared_ptr<Communicator>> shrink(const std::vector<int>& exclude, bool afterError,
                                                const Deadline& dl) override;
   Result<std::shared_ptr<Communicator>> split(int color, int key, const Deadline& dl) override;
-  Result<std::shared_ptr<Communicator>> grow(int newSize, const std::string& joinKey, const Deadline& dl) override;
+  Result<std::shared_ptr<Communicator>> grow(int newSize, const c10::intrusive_ptr<c10d::Store>& store,
+                                             const std::string& joinKey, const Deadline& dl) override;
 
   // The algorithm the cost model picks (for tests and benchmarks).
   Algo chooseAlgo(OpKind op, size_t bytes) const {
@@ -97,9 +107,22 @@ class TcpCommunicator : public Communicator, public std::enable_shared_from_this
  private:
   explicit TcpCommunicator(TcpOptions opts);
 
-  void runInit(const Deadline& dl);
-  Status connectMesh(const Deadline& dl);
-  Status waitForKeys(const std::vector<std::string>& keys, const Deadline& dl);
+  // Runs `plan` (which ends by building the mesh) on a detached thread, then moves to Ready,
+  // or to Error with the plan's failure.
+  void start(std::function<Status(TcpCommunicator&, const Deadline&)> plan, const Deadline& dl);
+  Status initFromStore(const Deadline& dl);
+  Status joinFromStore(int existingSize, const Deadline& dl);
+  // Publishes this rank's listener under `key`, creating the listener if there is none.
+  Status publishListener(const c10d::Store& store, const std::string& key);
+  Status buildMesh(const Deadline& dl);
+  Status waitForKeys(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<std::string>& keys,
+                     const Deadline& dl);
+  Result<std::vector<std::string>> fetch(const c10::intrusive_ptr<c10d::Store>& store,
+                                         const std::vector<std::string>& keys, const Deadline& dl);
+  // A child communicator over `members` (parent ranks, in their new order), built from the
+  // address book; `tag` names the move and its arguments in the child's hash.
+  std::shared_ptr<TcpCommunicator> derive(const std::vector<int>& members, const std::string& tag,
+                                          const Deadline& dl);
   // Every collective: checks the state, assigns a sequence number, and on failure records the
   // first error and tears the connections down (see Transfer's failure-propagation note).
   template <typename Fn>
@@ -107,6 +130,7 @@ class TcpCommunicator : public Communicator, public std::enable_shared_from_this
   Status checkRoot(int root, const char* what) const;
   Status fail(const Status& st, const std::string& where);
   Status ready(const Deadline& dl);
+  Status built(const Deadline& dl);
   void shutdownSockets();
 
   TcpOptions opts_;
@@ -120,6 +144,12 @@ class TcpCommunicator : public Communicator, public std::enable_shared_from_this
   uint64_t seq_ = 0;
   std::vector<uint64_t> sendSeq_;
   std::vector<uint64_t> recvSeq_;
+
+  // Set by the init thread before Ready; read-only afterwards.
+  std::shared_ptr<Socket> listener_;
+  std::vector<std::string> addrs_;  // every rank's listening address
+  std::string epoch_;               // unique name of this communicator; children derive theirs
+  int derived_ = 0;                 // children made so far (every member counts alike)
 };
 
 }  // namespace resilient_comm::tcp

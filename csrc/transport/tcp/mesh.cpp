@@ -1,0 +1,103 @@
+#include "transport/tcp/mesh.h"
+
+#include "common/check.h"
+#include "transport/tcp/wire.h"
+
+namespace resilient_comm::tcp {
+
+namespace {
+
+constexpr uint8_t kAccepted = 1;
+constexpr uint8_t kOtherComm = 2;
+
+void store(std::vector<Peer>& peers, int r, Socket s, std::mutex& mu, const AbortToken& abort) {
+  std::lock_guard<std::mutex> lock(mu);
+  peers[r].sock = std::move(s);
+  if (abort.aborted()) {
+    peers[r].sock.shutdownBoth();
+  }
+}
+
+}  // namespace
+
+uint64_t fnv1a(const std::string& s, uint64_t seed) {
+  uint64_t h = seed;
+  for (unsigned char ch : s) {
+    h = (h ^ ch) * 1099511628211ULL;
+  }
+  return h;
+}
+
+Status buildMesh(const MeshSpec& spec, const Socket& listener, std::vector<Peer>& peers, std::mutex& mu,
+                 const Deadline& dl, const AbortToken& abort) {
+  const int rank = spec.rank;
+  const int size = spec.size;
+  for (int j = 0; j < rank; ++j) {
+    const std::string& addr = spec.addrs[j];
+    auto colon = addr.rfind(':');
+    if (colon == std::string::npos) {
+      return Status(StatusCode::kInternal, "malformed address '" + addr + "' for rank " + std::to_string(j));
+    }
+    Result<Socket> s = connectTo(addr.substr(0, colon), std::stoi(addr.substr(colon + 1)), dl, abort);
+    RC_RETURN_IF_ERROR(s.status().withContext("connecting to rank " + std::to_string(j) + " at " + addr));
+    Hello hello{kWireMagic, rank, size, 0, spec.hash};
+    RC_RETURN_IF_ERROR(writeAll(s.value(), &hello, sizeof(hello), dl, abort));
+    uint8_t answer = 0;
+    Status st = readAll(s.value(), &answer, 1, dl, abort);
+    if (st.code() == StatusCode::kAborted || st.code() == StatusCode::kTimeout) {
+      return st.withContext("waiting for rank " + std::to_string(j) + " to accept");
+    }
+    if (!st.isOk() || answer != kAccepted) {
+      return Status(StatusCode::kMismatch,
+                    "rank " + std::to_string(j) + " is building a different communicator (" +
+                        (st.isOk() ? "its member list, color or epoch differs" : st.message()) +
+                        "); every member must shrink/split/grow with the same arguments");
+    }
+    store(peers, j, s.take(), mu, abort);
+  }
+  for (int accepted = 0; accepted < size - 1 - rank;) {
+    Result<Socket> s = acceptOne(listener, dl, abort);
+    if (s.status().code() == StatusCode::kTimeout) {
+      std::string missing;
+      for (int j = rank + 1; j < size; ++j) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!peers[j].sock.valid()) {
+          missing += (missing.empty() ? "" : ", ") + std::to_string(j);
+        }
+      }
+      return Status(StatusCode::kTimeout, "rank(s) " + missing + " never connected before the deadline");
+    }
+    RC_RETURN_IF_ERROR(s.status());
+    Hello hello{};
+    Status st = readAll(s.value(), &hello, sizeof(hello), dl, abort);
+    if (st.code() == StatusCode::kAborted) {
+      return st;
+    }
+    if (!st.isOk() || hello.magic != kWireMagic) {
+      continue;  // not one of ours, or it gave up: keep accepting
+    }
+    if (hello.commHash != spec.hash || hello.size != size || hello.rank <= rank || hello.rank >= size) {
+      uint8_t no = kOtherComm;
+      (void)writeAll(s.value(), &no, 1, dl, abort);
+      return Status(StatusCode::kMismatch,
+                    "a peer connected as rank " + std::to_string(hello.rank) + " of " + std::to_string(hello.size) +
+                        " for a different communicator (its member list, color or epoch differs from rank " +
+                        std::to_string(rank) + "'s); every member must shrink/split/grow with the same arguments");
+    }
+    bool dup = false;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      dup = peers[hello.rank].sock.valid();
+    }
+    if (dup) {
+      return Status(StatusCode::kMismatch, "two peers claimed rank " + std::to_string(hello.rank));
+    }
+    uint8_t yes = kAccepted;
+    RC_RETURN_IF_ERROR(writeAll(s.value(), &yes, 1, dl, abort));
+    store(peers, hello.rank, s.take(), mu, abort);
+    ++accepted;
+  }
+  return Status::ok();
+}
+
+}  // namespace resilient_comm::tcp
