@@ -64,30 +64,39 @@ def test_a_rank_that_skips_a_collective_times_out_everyone_else() -> None:
     assert late.value["late"] in ("CommTimeoutError", "PeerFailureError")
 
 
-def _abort_from_thread(ctx: WorkerContext) -> dict:
+def _abort_from_thread(ctx: WorkerContext, async_op: bool) -> dict:
     ctx.init("resilient_tcp", timeout_s=30)
     store = ctx.store()
     dist.barrier()  # the group is up on both ranks
     if ctx.rank == 1:  # never joins the next collective
         store.wait(["aborted"], datetime.timedelta(seconds=30))
         return {}
-    work = dist.all_reduce(torch.ones(1 << 16), async_op=True)
-    assert not work.is_completed()
     aborted_at: list[float] = []
 
     def abort() -> None:
         aborted_at.append(time.monotonic())
         resilient_comm.abort(reason="test abort")
 
-    th = threading.Thread(target=abort)
+    work = None
+    if async_op:
+        work = dist.all_reduce(torch.ones(1 << 16), async_op=True)
+        assert not work.is_completed()
+        th = threading.Thread(target=abort)
+    else:
+        # The op runs on this thread (an idle group runs synchronous ops inline): the abort
+        # comes from a timer thread, which torch's release of the GIL lets run.
+        th = threading.Timer(0.2, abort)
     try:
         th.start()
-        work.wait()
+        if work is not None:
+            work.wait()
+        else:
+            dist.all_reduce(torch.ones(1 << 16))
         res: dict = {"error": None}
     except resilient_comm.CommAbortedError as e:
         res = {"returned_after": time.monotonic() - aborted_at[0], "error": str(e)}
     th.join()
-    res["completed"] = work.is_completed()
+    res["completed"] = work.is_completed() if work is not None else True
     start = time.monotonic()
     try:
         dist.all_reduce(torch.ones(4))
@@ -99,8 +108,9 @@ def _abort_from_thread(ctx: WorkerContext) -> dict:
 
 
 @pytest.mark.timeout(60)
-def test_abort_from_another_thread_returns_a_blocked_collective_fast() -> None:
-    r0 = run_workers(_abort_from_thread, 2, timeout_s=40)[0]
+@pytest.mark.parametrize("async_op", [True, False], ids=["async", "sync"])
+def test_abort_from_another_thread_returns_a_blocked_collective_fast(async_op: bool) -> None:
+    r0 = run_workers(_abort_from_thread, 2, async_op, timeout_s=40)[0]
     assert r0.ok, r0.error
     v = r0.value
     assert v["error"] is not None, "the collective completed instead of being aborted"

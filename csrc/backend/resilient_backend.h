@@ -3,8 +3,9 @@
 // Every collective torch dispatches is checked here (tensor lists, dtypes, devices,
 // contiguity, reduction ops) and then queued, in call order, on this backend's worker thread,
 // which runs it on the communicator with a deadline of the op's timeout measured from the
-// call. The Work returned completes when the op does; its error is the communicator's Status
-// turned into a DistBackendError.
+// call. A synchronous op (async_op=False) on an idle group runs on the calling thread instead
+// (same order, two thread hand-offs fewer). The Work returned completes when the op does; its
+// error is the communicator's Status turned into a CommException (see comm_error.h).
 //
 // Threads: any Python thread may issue ops (they are serialised by the queue); abort() may be
 // called from any thread and returns at once; the destructor drains nothing: it aborts
@@ -134,9 +135,10 @@ class ResilientBackend : public c10d::Backend {
  private:
   using Body = std::function<Status(Communicator&, const Deadline&)>;
 
-  // Queues `body` on the worker; the Work completes with its Status.
+  // Queues `body` on the worker; the Work completes with its Status. A synchronous op
+  // (mayRunInline) on an idle group runs on the calling thread instead.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* opName, std::vector<at::Tensor> outputs,
-                                         std::chrono::milliseconds timeout, Body body);
+                                         std::chrono::milliseconds timeout, bool mayRunInline, Body body);
   // The communicator for these tensors' device, after checking they share it.
   Communicator& commFor(const std::vector<at::Tensor>& tensors, const char* op);
   void workerLoop();
@@ -161,7 +163,9 @@ class ResilientBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> enqueueP2P(c10d::OpType type, const char* opName, const at::Tensor& t, P2POp op);
   // Creates the Work, arms the watchdog and queues the task.
   c10::intrusive_ptr<c10d::Work> push(c10d::OpType type, const char* opName, std::vector<at::Tensor> outputs,
-                                      std::chrono::milliseconds timeout, Body body, std::optional<P2POp> p2p);
+                                      std::chrono::milliseconds timeout, bool mayRunInline, Body body,
+                                      std::optional<P2POp> p2p);
+  void runTask(Task& task);
   void finishTask(Task& task, const Status& st);
   void runP2PGroup(std::vector<Task>& group);
   CommErrorInfo site(const char* op) const;
@@ -169,6 +173,7 @@ class ResilientBackend : public c10d::Backend {
   std::condition_variable cv_;
   std::deque<Task> queue_;
   bool stopping_ = false;
+  bool running_ = false;  // an op is running (on the worker or inline); guarded by mu_
   uint64_t enqueued_ = 0;
   std::thread worker_;
 };

@@ -8,8 +8,9 @@ the same tensors, alternating blocks:
 1. one verified op per backend (the result is checked, so a fast wrong answer cannot win);
 2. a warm-up block per backend (not reported), whose time, maxed over ranks, gives the
    per-op estimate from which that backend's iterations per block ``k`` are chosen so that a
-   block lasts about ``--block-ms`` (each backend gets the same block duration, not the same
-   ``k``: a slow backend would otherwise leave the fast one with a handful of iterations);
+   block lasts about ``--block-ms``, with at least ``--min-iters`` (each backend gets the
+   same block duration, not the same ``k``: a slow backend would otherwise leave the fast
+   one with a handful of iterations);
 3. ``reps`` repetitions; in each, one timed block of ``k`` back-to-back ops per backend, in
    alternating order (ours first on even repetitions, gloo first on odd ones), each block
    preceded by a barrier on the gloo group that is outside the timed region.
@@ -41,15 +42,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
-import platform
-import re
+import shlex
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Callable
+
+from resilient_comm.bench.common import human_bytes, iters_for, machine, parse_size, timed_block
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 DEFAULT_SIZES = (8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
@@ -77,22 +77,6 @@ def actual_bytes(op: str, nominal: int, n: int) -> int:
     return max(unit, -(-nominal // unit) * unit)
 
 
-def parse_size(text: str) -> int:
-    """'8', '4K', '4KiB', '1M', '64MiB', '1G' (binary units) -> bytes."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)(i?b)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad size {text!r} (examples: 8, 4K, 64MiB)")
-    shift = {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
-    return int(m.group(1)) << shift
-
-
-def human_bytes(n: int) -> str:
-    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift}{unit}"
-    return str(n)
-
-
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.replace(",", " ").split()]
@@ -116,7 +100,10 @@ def _op_list(text: str) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def _make_op(op: str, nbytes: int, n: int, rank: int) -> tuple[Callable[[Any], Callable[[], None]], Callable[[], None], Callable[[], str | None]]:
+_OpParts = tuple[Callable[[Any], Callable[[], None]], Callable[[], None], Callable[[], "str | None"]]
+
+
+def _make_op(op: str, nbytes: int, n: int, rank: int) -> _OpParts:
     """Tensors for one (op, size), shared by both backends.
 
     Returns (bind(group) -> zero-arg op, reset() -> refill inputs with the check pattern,
@@ -199,19 +186,6 @@ def _make_op(op: str, nbytes: int, n: int, rank: int) -> tuple[Callable[[Any], C
     return bind, reset, check
 
 
-def _iters(target_s: float, per_op_s: float, cap: int) -> int:
-    """Iterations that fill target_s at per_op_s each, in [1, cap]."""
-    return max(1, min(cap, math.ceil(target_s / max(per_op_s, 1e-7))))
-
-
-def _timed_block(fn: Callable[[], None], k: int) -> float:
-    """Per-op seconds of k back-to-back synchronous ops on this rank."""
-    t0 = time.perf_counter()
-    for _ in range(k):
-        fn()
-    return (time.perf_counter() - t0) / k
-
-
 def _worker(ctx: Any, cfg: dict) -> dict:
     import torch
     import torch.distributed as dist
@@ -240,27 +214,28 @@ def _worker(ctx: Any, cfg: dict) -> dict:
             for name in names:
                 reset()
                 dist.barrier(group=gloo)
-                first.append(_timed_block(fns[name], 1))
+                first.append(timed_block(fns[name], 1))
                 err = check()
                 if err:
                     raise RuntimeError(f"[{name}] rank {rank}, {nbytes} B: {err}")
             first = agree_max(first)
 
             # 2. warm-up block per backend, timed to choose its iterations per block
-            warm = {name: _iters(cfg["warmup_s"], t, cfg["max_iters"]) for name, t in zip(names, first)}
+            warm = {name: iters_for(cfg["warmup_s"], t, 1, cfg["max_iters"]) for name, t in zip(names, first)}
             est = []
             for name in names:
                 dist.barrier(group=gloo)
-                est.append(_timed_block(fns[name], warm[name]))
+                est.append(timed_block(fns[name], warm[name]))
             est = agree_max(est)
-            iters = {name: _iters(cfg["block_s"], t, cfg["max_iters"]) for name, t in zip(names, est)}
+            iters = {name: iters_for(cfg["block_s"], t, cfg["min_iters"], cfg["max_iters"])
+                     for name, t in zip(names, est)}
 
             # 3. timed repetitions, alternating which backend goes first
             times: dict[str, list[float]] = {name: [] for name in names}
             for r in range(cfg["reps"]):
                 for name in names if r % 2 == 0 else names[::-1]:
                     dist.barrier(group=gloo)
-                    times[name].append(_timed_block(fns[name], iters[name]))
+                    times[name].append(timed_block(fns[name], iters[name]))
             records.append({"op": op, "nominal_bytes": nominal, "bytes": nbytes, "iters": iters,
                             "warmup_iters": warm, "times": times})
             if rank == 0 and cfg["progress"]:
@@ -280,51 +255,6 @@ def _worker(ctx: Any, cfg: dict) -> dict:
 # --------------------------------------------------------------------------------------------
 # Driver side
 # --------------------------------------------------------------------------------------------
-
-
-def _machine() -> dict:
-    import torch
-
-    import resilient_comm
-
-    model = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except AttributeError:
-        affinity = None
-    commit = None
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
-                                text=True, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        pass
-    mem_gib = None
-    try:
-        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30), 1)
-    except (ValueError, OSError, AttributeError):
-        pass
-    return {
-        "hostname": platform.node(),
-        "cpu_model": model,
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": affinity,
-        "memory_gib": mem_gib,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "resilient_comm": resilient_comm.__version__,
-        "git_commit": commit,
-        "knobs": {k.name: k.value for k in resilient_comm.knobs()},
-    }
 
 
 def _summarise(world_size: int, worker_values: list[dict]) -> list[dict]:
@@ -413,13 +343,15 @@ def build_parser(prog: str = "resilient-comm bench collectives") -> argparse.Arg
     p.add_argument("--min-bytes", type=parse_size, default=None, help="smallest message size (default 8)")
     p.add_argument("--max-bytes", type=parse_size, default=None,
                    help="largest message size (default 64MiB; --quick: 1MiB)")
-    p.add_argument("--reps", type=int, default=None, help="timed blocks per backend (default 5; --quick: 3)")
+    p.add_argument("--reps", type=int, default=None, help="timed blocks per backend (default 7; --quick: 3)")
     p.add_argument("--block-ms", type=float, default=None,
                    help="target duration of one timed block, picks the iterations per block "
                         "(default 100; --quick: 20)")
+    p.add_argument("--min-iters", type=int, default=None,
+                   help="iterations per block at least (default 3; --quick: 1); large sizes hit this")
     p.add_argument("--max-iters", type=int, default=2000, help="cap on iterations per block (default 2000)")
     p.add_argument("--quick", action="store_true",
-                   help="short run: sizes up to 1 MiB, 3 reps, 20 ms blocks")
+                   help="short run (~20 s): sizes up to 1 MiB, 3 reps, 20 ms blocks, 1 iteration at least")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds before a world size's workers are given up on (default 900)")
@@ -439,20 +371,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no sizes between {min_bytes} and {max_bytes} bytes (sizes: {list(DEFAULT_SIZES)})",
               file=sys.stderr)
         return 2
-    reps = args.reps or (3 if quick else 5)
+    reps = args.reps or (3 if quick else 7)
+    min_iters = args.min_iters or (1 if quick else 3)
     block_ms = args.block_ms or (20.0 if quick else 100.0)
-    if reps < 1 or block_ms <= 0 or args.max_iters < 1:
-        print("--reps, --block-ms and --max-iters must be positive", file=sys.stderr)
+    if reps < 1 or block_ms <= 0 or min_iters < 1 or args.max_iters < min_iters:
+        print("--reps, --block-ms, --min-iters must be positive, --max-iters >= --min-iters", file=sys.stderr)
         return 2
     cfg = {"ops": ops, "sizes": sizes, "reps": reps, "block_s": block_ms / 1e3,
-           "warmup_s": block_ms / 1e3 / 2, "max_iters": args.max_iters, "progress": not args.no_progress}
+           "warmup_s": block_ms / 1e3 / 2, "min_iters": min_iters, "max_iters": args.max_iters,
+           "progress": not args.no_progress}
 
     from resilient_comm.testing import run_workers
 
     started = datetime.datetime.now(datetime.timezone.utc)
     t0 = time.monotonic()
     load_before = os.getloadavg()
-    machine = _machine()
+    host = machine()
     rows: list[dict] = []
     worker_info: dict[int, Any] = {}
     for ws in world_sizes:
@@ -469,18 +403,18 @@ def main(argv: list[str] | None = None) -> int:
         worker_info[ws] = results[0].value["info"]
     elapsed = time.monotonic() - t0
     targets = _targets(rows)
-    machine["torch_threads_per_worker"] = {str(k): v["torch_threads"] for k, v in worker_info.items()}
-    machine["loadavg_before"] = list(load_before)
-    machine["loadavg_after"] = list(os.getloadavg())
+    host["torch_threads_per_worker"] = {str(k): v["torch_threads"] for k, v in worker_info.items()}
+    host["loadavg_before"] = list(load_before)
+    host["loadavg_after"] = list(os.getloadavg())
 
     print()
     print(f"resilient_comm collectives benchmark  {started.strftime('%Y-%m-%d %H:%M UTC')}  "
           f"({elapsed:.0f} s)")
-    print(f"machine: {machine['cpu_count']} CPUs ({machine['cpu_model']}), torch {machine['torch']}, "
-          f"python {machine['python']}, load avg before/after "
-          f"{load_before[0]:.2f}/{machine['loadavg_after'][0]:.2f}")
+    print(f"host: {host['cpu_count']} CPUs ({host['cpu_model']}), torch {host['torch']}, "
+          f"python {host['python']}, load avg before/after "
+          f"{load_before[0]:.2f}/{host['loadavg_after'][0]:.2f}")
     print(f"float32, {reps} reps x ~{block_ms:g} ms blocks per backend, ours = resilient_tcp "
-          f"(RESILIENT_COMM_ALGO={machine['knobs'].get('RESILIENT_COMM_ALGO')})")
+          f"(RESILIENT_COMM_ALGO={host['knobs'].get('RESILIENT_COMM_ALGO')})")
     print()
     print(format_table(rows))
     print(format_targets(targets))
@@ -490,11 +424,12 @@ def main(argv: list[str] | None = None) -> int:
             "benchmark": "collectives",
             "date_utc": started.isoformat(timespec="seconds"),
             "elapsed_s": round(elapsed, 1),
-            "command": " ".join([os.path.basename(sys.argv[0]) or "python"] + list(
-                sys.argv[1:] if argv is None else argv)),
-            "machine": machine,
+            "command": shlex.join([sys.executable] + sys.argv),
+            "argv": list(sys.argv[1:] if argv is None else argv),
+            "host": host,
             "config": {"world_sizes": world_sizes, "ops": ops, "sizes": sizes, "reps": reps,
-                       "block_ms": block_ms, "max_iters": args.max_iters, "dtype": "float32",
+                       "block_ms": block_ms, "min_iters": min_iters, "max_iters": args.max_iters,
+                       "dtype": "float32",
                        "timing": "per block: max over ranks of (block time / iters); "
                                  "reported: median over blocks",
                        "bandwidth_unit": "GB/s = 1e9 B/s"},
