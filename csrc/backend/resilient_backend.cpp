@@ -1,6 +1,11 @@
 #include "backend/resilient_backend.h"
 
 #include <c10/util/Exception.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <algorithm>
 #include <numeric>
@@ -42,11 +47,17 @@ ResilientBackend::ResilientBackend(c10::intrusive_ptr<c10d::Store> store, int ra
   t.rank = rank;
   t.size = size;
   cpu_ = tcp::TcpCommunicator::create(std::move(t), Deadline::after(timeout_));
-  worker_ = std::thread([this] { workerLoop(); });
+  startWorker();
 }
 
 ResilientBackend::ResilientBackend(std::shared_ptr<Communicator> comm, BackendOptions opts)
     : c10d::Backend(comm->rank(), comm->size()), opts_(std::move(opts)), timeout_(opts_.timeout), cpu_(std::move(comm)) {
+  startWorker();
+}
+
+void ResilientBackend::startWorker() {
+  p2pWake_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  TORCH_CHECK(p2pWake_ >= 0, "eventfd failed: ", std::strerror(errno));
   worker_ = std::thread([this] { workerLoop(); });
 }
 
@@ -132,6 +143,7 @@ ResilientBackend::~ResilientBackend() {
   if (worker_.joinable()) {
     worker_.join();
   }
+  ::close(p2pWake_);
 }
 
 void ResilientBackend::setTimeout(std::chrono::milliseconds timeout) {
@@ -277,6 +289,13 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::push(OpType type, const char* o
     abortComm(comm, why);
   });
   Task task{work, dl, std::move(body), p2p, id};
+  if (p2p && p2pRunning_ && queue_.empty()) {
+    p2pJoin_.push_back(std::move(task));
+    lock.unlock();
+    uint64_t one = 1;
+    (void)!::write(p2pWake_, &one, sizeof(one));
+    return work;
+  }
   if (mayRunInline && queue_.empty() && !running_) {
     // [Note: synchronous ops on an idle group run on the caller's thread]
     // Nothing is queued or running, so running the op here keeps the group's order, and saves
@@ -333,7 +352,30 @@ void ResilientBackend::runP2PGroup(std::vector<Task>& group) {
     ops.push_back(*t.p2p);
     dl = dl.earliest(t.deadline);
   }
-  Status st = cpu_->sendRecv(ops, dl);
+  // Send/recv queued while this group runs (and nothing else queued before them) joins it:
+  // see push(). The feed hands them over from the worker's own thread.
+  P2PFeed feed;
+  feed.wakeFd = p2pWake_;
+  feed.take = [this, &group] {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<P2POp> more;
+    for (Task& t : p2pJoin_) {
+      more.push_back(*t.p2p);
+      group.push_back(std::move(t));
+    }
+    p2pJoin_.clear();
+    return more;
+  };
+  Status st = cpu_->sendRecv(ops, dl, &feed);
+  {
+    // Ops that arrived after the transfer's last wake-up were never taken: they are next.
+    std::lock_guard<std::mutex> lock(mu_);
+    p2pRunning_ = false;
+    for (auto it = p2pJoin_.rbegin(); it != p2pJoin_.rend(); ++it) {
+      queue_.push_front(std::move(*it));
+    }
+    p2pJoin_.clear();
+  }
   for (Task& t : group) {
     finishTask(t, st);
   }
@@ -354,6 +396,7 @@ void ResilientBackend::workerLoop() {
         p2pGroup.push_back(std::move(queue_.front()));
         queue_.pop_front();
       }
+      p2pRunning_ = !p2pGroup.empty();
       if (p2pGroup.empty()) {
         task = std::move(queue_.front());
         queue_.pop_front();

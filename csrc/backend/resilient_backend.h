@@ -166,6 +166,7 @@ class ResilientBackend : public c10d::Backend {
                                       std::chrono::milliseconds timeout, bool mayRunInline, Body body,
                                       std::optional<P2POp> p2p);
   void runTask(Task& task);
+  void startWorker();
   void finishTask(Task& task, const Status& st);
   void runP2PGroup(std::vector<Task>& group);
   CommErrorInfo site(const char* op) const;
@@ -174,6 +175,9 @@ class ResilientBackend : public c10d::Backend {
   std::deque<Task> queue_;
   bool stopping_ = false;
   bool running_ = false;  // an op is running (on the worker or inline); guarded by mu_
+  bool p2pRunning_ = false;     // the worker runs a send/recv group; guarded by mu_
+  std::vector<Task> p2pJoin_;   // send/recv handed to that group; guarded by mu_
+  int p2pWake_ = -1;            // eventfd: wakes the running group for p2pJoin_
   uint64_t enqueued_ = 0;
   std::thread worker_;
 };

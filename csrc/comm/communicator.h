@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -56,6 +57,12 @@ struct P2POp {
   void* buf;  // const for sends
   size_t bytes;
   uint64_t tag;
+};
+
+// More point-to-point ops for a running sendRecv (see there).
+struct P2PFeed {
+  int wakeFd = -1;  // an eventfd
+  std::function<std::vector<P2POp>()> take;
 };
 
 class Communicator {
@@ -100,7 +107,10 @@ class Communicator {
   virtual Status barrier(const Deadline& dl) = 0;
   // Sends and receives progressed together (no ordering deadlock between them). Messages
   // between two ranks are matched in order; a tag that differs from the peer's is an error.
-  virtual Status sendRecv(const std::vector<P2POp>& ops, const Deadline& dl) = 0;
+  // With a feed, ops the caller queues while this runs join it: when feed->wakeFd becomes
+  // readable the communicator drains it and adds feed->take()'s ops (an isend issued before
+  // its irecv must not wait for the peer to drain it first).
+  virtual Status sendRecv(const std::vector<P2POp>& ops, const Deadline& dl, const P2PFeed* feed = nullptr) = 0;
 
   // Fault-tolerance moves (DESIGN.md §3). Transports that lack one return kNotSupported.
   // Each returns the new communicator at once, still Initializing (waitReady() it; abort() it

@@ -537,25 +537,40 @@ Status TcpCommunicator::barrier(const Deadline& dl) {
   });
 }
 
-Status TcpCommunicator::sendRecv(const std::vector<P2POp>& ops, const Deadline& dl) {
-  for (const P2POp& op : ops) {
-    if (op.peer < 0 || op.peer >= opts_.size || op.peer == opts_.rank) {
-      return Status(StatusCode::kInvalidArgument, "send/recv: peer " + std::to_string(op.peer) +
-                                                      " is not another rank of a group of " +
-                                                      std::to_string(opts_.size));
+Status TcpCommunicator::sendRecv(const std::vector<P2POp>& ops, const Deadline& dl, const P2PFeed* feed) {
+  auto badPeer = [&](const std::vector<P2POp>& list) -> Status {
+    for (const P2POp& op : list) {
+      if (op.peer < 0 || op.peer >= opts_.size || op.peer == opts_.rank) {
+        return Status(StatusCode::kInvalidArgument, "send/recv: peer " + std::to_string(op.peer) +
+                                                        " is not another rank of a group of " +
+                                                        std::to_string(opts_.size));
+      }
     }
-  }
+    return Status::ok();
+  };
+  RC_RETURN_IF_ERROR(badPeer(ops));
   // Point-to-point ops do not take a collective sequence number: only the two ranks involved
   // call them. Each direction of each pair counts its own messages instead.
   const std::string where = "send/recv on group '" + opts_.name + "' rank " + std::to_string(opts_.rank);
   RC_RETURN_IF_ERROR(ready(dl));
   Transfer x(peers_, opts_.rank, MsgMeta{OpKind::kSendRecv, DataType::kUInt8, RedOp::kSum, 0, 0}, dl, abort_);
-  for (const P2POp& op : ops) {
-    if (op.kind == P2POp::Kind::kSend) {
-      x.sendP2P(op.peer, op.buf, op.bytes, sendSeq_[op.peer]++, op.tag);
-    } else {
-      x.recvP2P(op.peer, op.buf, op.bytes, recvSeq_[op.peer]++, op.tag);
+  auto post = [&](const std::vector<P2POp>& list) {
+    for (const P2POp& op : list) {
+      if (op.kind == P2POp::Kind::kSend) {
+        x.sendP2P(op.peer, op.buf, op.bytes, sendSeq_[op.peer]++, op.tag);
+      } else {
+        x.recvP2P(op.peer, op.buf, op.bytes, recvSeq_[op.peer]++, op.tag);
+      }
     }
+  };
+  post(ops);
+  if (feed != nullptr) {
+    x.onWake(feed->wakeFd, [&]() -> Status {
+      std::vector<P2POp> more = feed->take();
+      RC_RETURN_IF_ERROR(badPeer(more));
+      post(more);
+      return Status::ok();
+    });
   }
   return fail(x.run(), where);
 }

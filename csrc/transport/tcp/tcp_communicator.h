@@ -91,7 +91,7 @@ class TcpCommunicator : public Communicator, public std::enable_shared_from_this
   Status gather(const void* send, void* recv, size_t count, DataType dt, int root, const Deadline& dl) override;
   Status scatter(const void* send, void* recv, size_t count, DataType dt, int root, const Deadline& dl) override;
   Status barrier(const Deadline& dl) override;
-  Status sendRecv(const std::vector<P2POp>& ops, const Deadline& dl) override;
+  Status sendRecv(const std::vector<P2POp>& ops, const Deadline& dl, const P2PFeed* feed = nullptr) override;
 
   Result<std::shared_ptr<Communicator>> shrink(const std::vector<int>& exclude, bool afterError,
                                                const Deadline& dl) override;

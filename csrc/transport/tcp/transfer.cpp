@@ -3,6 +3,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -277,6 +278,10 @@ Status Transfer::run() {
         fds.push_back(pollfd{peers_[p].sock.fd(), static_cast<short>(ev | POLLRDHUP), 0});
         who.push_back(static_cast<int>(p));
       }
+      if (wakeFd_ >= 0) {
+        fds.push_back(pollfd{wakeFd_, POLLIN, 0});
+        who.push_back(-1);
+      }
       int rc = ::poll(fds.data(), fds.size(), dl_.remainingMs());
       if (rc < 0) {
         if (errno == EINTR) {
@@ -290,6 +295,12 @@ Status Transfer::run() {
           continue;
         }
         int p = who[i];
+        if (p < 0) {
+          uint64_t n = 0;
+          (void)!::read(wakeFd_, &n, sizeof(n));
+          RC_RETURN_IF_ERROR(onWake_());
+          continue;
+        }
         bool involved = !q_[p].sends.empty() || !q_[p].recvs.empty();
         bool hup = (re & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
         if (!involved) {

@@ -59,6 +59,13 @@ class Transfer {
   void sendP2P(int peer, const void* buf, size_t bytes, uint64_t seq, uint64_t tag);
   void recvP2P(int peer, void* buf, size_t bytes, uint64_t seq, uint64_t tag);
 
+  // While run() waits, a readable `fd` (an eventfd, drained here) calls `fn`, which may post
+  // more sends and receives.
+  void onWake(int fd, Callback fn) {
+    wakeFd_ = fd;
+    onWake_ = std::move(fn);
+  }
+
   Status run();
 
  private:
@@ -95,6 +102,8 @@ class Transfer {
   Deadline dl_;
   const AbortToken& abort_;
   std::vector<Queues> q_;
+  int wakeFd_ = -1;
+  Callback onWake_;
 };
 
 }  // namespace resilient_comm::tcp
