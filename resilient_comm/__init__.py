@@ -3,8 +3,8 @@
 ``import resilient_comm`` registers three c10d backends:
 
 - ``resilient_tcp``: CPU tensors over resilient_comm's own TCP transport.
-- ``resilient_nccl``: CPU tensors over TCP; CUDA tensors over NCCL (the NCCL transport is
-  not in this build yet: CUDA tensors get a clear error).
+- ``resilient_nccl``: CPU tensors over TCP; CUDA tensors over NCCL, loaded at run time
+  (RESILIENT_COMM_NCCL_LIB, the libnccl torch loaded, or the nvidia-nccl wheel).
 - (``resilient_hccl`` will follow for Ascend NPUs.)
 
 Every collective runs with a deadline (the process group's timeout unless the op passes
@@ -20,6 +20,7 @@ import torch.distributed as dist
 from resilient_comm import _C
 from resilient_comm.api import abort, errored, tainted
 from resilient_comm.config import knobs
+from resilient_comm.doctor import nccl_wheel_candidates
 from resilient_comm.groups import grow, join, shrink, split
 from resilient_comm.errors import (
     CommAbortedError,
@@ -74,3 +75,4 @@ def _register() -> None:
 
 
 _register()
+_C.set_nccl_candidates(nccl_wheel_candidates())

@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     print("  tcp   available  " + " ".join(f"{k}={'yes' if v else 'no'}" for k, v in caps.items()))
     n = r["nccl"]
     if n["found"]:
-        print(f"  nccl  libnccl {n['version']} at {n['path']} (the NCCL transport itself is not in this build yet)")
+        print(f"  nccl  libnccl {n['version']} at {n['path']}")
+        print("        " + " ".join(f"{k}={'yes' if v else 'no'}" for k, v in n["caps"].items()))
     else:
         print("  nccl  not available: " + n["error"].replace("\n", "\n        "))
     print("knobs (RESILIENT_COMM_*):")

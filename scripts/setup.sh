@@ -17,7 +17,7 @@ if ! "$VPY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2
   echo "[setup] installing torch==2.13.0"
   "$VPY" -m pip install --quiet --disable-pip-version-check torch==2.13.0
 fi
-"$VPY" -m pip install --quiet --disable-pip-version-check "setuptools>=64" wheel cmake ninja "pytest>=7" "pytest-timeout>=2" numpy matplotlib
+"$VPY" -m pip install --quiet --disable-pip-version-check "setuptools>=64" wheel cmake ninja "pytest>=7" "pytest-timeout>=2" numpy matplotlib nvidia-nccl-cu12
 
 echo "[setup] building resilient_comm (CMake against the installed torch)"
 "$VPY" -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e .

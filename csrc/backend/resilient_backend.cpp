@@ -13,6 +13,7 @@
 #include "backend/tensor_args.h"
 #include "common/env.h"
 #include "watchdog/reaper.h"
+#include "transport/nccl/nccl_communicator.h"
 #include "transport/tcp/tcp_communicator.h"
 
 namespace resilient_comm {
@@ -40,6 +41,7 @@ at::Tensor flat(const at::Tensor& like, int64_t n) {
 
 ResilientBackend::ResilientBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size, BackendOptions opts)
     : c10d::Backend(rank, size), opts_(std::move(opts)), timeout_(opts_.timeout) {
+  store_ = store;
   tcp::TcpOptions t;
   t.name = opts_.groupName;
   t.store = std::move(store);
@@ -96,14 +98,36 @@ c10::intrusive_ptr<ResilientBackend> ResilientBackend::adopt(Result<std::shared_
   BackendOptions o = opts_;
   o.groupName = opts_.groupName + suffix;
   o.timeout = timeout_;
-  return c10::make_intrusive<ResilientBackend>(r.take(), std::move(o));
+  auto child = c10::make_intrusive<ResilientBackend>(r.take(), std::move(o));
+  child->store_ = store_;  // a later CUDA communicator bootstraps through the same store
+  return child;
 }
 
 c10::intrusive_ptr<c10d::Backend> ResilientBackend::shrink(const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
                                                            const c10::intrusive_ptr<Options>& optsOverride) {
   std::vector<int> exclude(ranksToExclude.begin(), ranksToExclude.end());
   bool afterError = (shrinkFlags & 1) != 0 || !cpu_->error().isOk();
-  return adopt(cpu_->shrink(exclude, afterError, Deadline::after(timeout_)), "shrink", ":shrunk");
+  auto child = adopt(cpu_->shrink(exclude, afterError, Deadline::after(timeout_)), "shrink", ":shrunk");
+  std::shared_ptr<Communicator> cuda;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cuda = cuda_;
+  }
+  if (cuda) {  // resilient_nccl that has carried CUDA tensors: shrink its NCCL communicator too
+    bool cudaAfterError = afterError || !cuda->error().isOk();
+    auto r = cuda->shrink(exclude, cudaAfterError, Deadline::after(timeout_));
+    if (!r.isOk()) {
+      CommErrorInfo info = site("shrink");
+      info.code = r.status().code();
+      info.cause = r.status().message();
+      throw CommException(std::move(info));
+    }
+    std::lock_guard<std::mutex> lock(child->mu_);
+    child->store_ = store_;
+    child->cuda_ = r.take();
+    child->cudaDevice_ = cudaDevice_;
+  }
+  return child;
 }
 
 c10::intrusive_ptr<c10d::Backend> ResilientBackend::split(const c10::intrusive_ptr<c10d::Store>& store,
@@ -116,7 +140,7 @@ c10::intrusive_ptr<c10d::Backend> ResilientBackend::split(const c10::intrusive_p
 
 c10::intrusive_ptr<ResilientBackend> ResilientBackend::splitByColor(int color, int key) {
   auto out = std::make_shared<Result<std::shared_ptr<Communicator>>>(Status(StatusCode::kInternal, "not run"));
-  auto work = enqueue(OpType::UNKNOWN, "split", {}, timeout_, false, [out, color, key](Communicator& c, const Deadline& dl) {
+  auto work = enqueue(cpu_, OpType::UNKNOWN, "split", {}, timeout_, false, [out, color, key](Communicator& c, const Deadline& dl) {
     *out = c.split(color, key, dl);
     return out->isOk() ? Status::ok() : out->status();
   });
@@ -178,6 +202,14 @@ void ResilientBackend::abort() {
 
 void ResilientBackend::abortWithReason(const std::string& reason) {
   abortComm(cpu_, reason);
+  std::shared_ptr<Communicator> cuda;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cuda = cuda_;
+  }
+  if (cuda) {
+    abortComm(cuda, reason);
+  }
 }
 
 Status ResilientBackend::commError() const {
@@ -210,7 +242,7 @@ void ResilientBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool w
       ops.push_back(P2POp{P2POp::Kind::kRecv, p, bytes->data() + p, 1, kTag});
     }
   }
-  auto work = enqueue(OpType::BARRIER, "monitored_barrier", {}, timeout, false,
+  auto work = enqueue(cpu_, OpType::BARRIER, "monitored_barrier", {}, timeout, false,
                       [this, ops, bytes](Communicator& c, const Deadline& dl) {
                         Status st = c.sendRecv(rank_ == 0 ? ops : std::vector<P2POp>{P2POp{
                                                                        P2POp::Kind::kSend, 0, bytes->data(), 1, kTag}},
@@ -243,18 +275,41 @@ uint64_t ResilientBackend::getSequenceNumberForGroup() {
   return cpu_->nextSeq();
 }
 
-Communicator& ResilientBackend::commFor(const std::vector<at::Tensor>& tensors, const char* op) {
+std::shared_ptr<Communicator> ResilientBackend::commFor(const std::vector<at::Tensor>& tensors, const char* op) {
   const at::Device dev = tensors.front().device();
   if (dev.is_cpu()) {
-    return *cpu_;
+    return cpu_;
   }
   OpSite site{opts_.backendName, opts_.groupName, rank_, op};
-  if (dev.is_cuda() && opts_.backendName == "resilient_nccl") {
-    C10_THROW_ERROR(ValueError, site.prefix() + "CUDA tensors need the NCCL transport, which this build does not "
-                                                "provide yet; use CPU tensors");
+  if (!dev.is_cuda() || opts_.backendName != "resilient_nccl") {
+    C10_THROW_ERROR(ValueError, site.prefix() + "tensors on " + dev.str() + " are not supported; " +
+                                    opts_.backendName + " carries CPU" +
+                                    (opts_.backendName == "resilient_nccl" ? " and CUDA" : "") + " tensors");
   }
-  C10_THROW_ERROR(ValueError, site.prefix() + "tensors on " + dev.str() + " are not supported; " +
-                                  opts_.backendName + " carries CPU tensors");
+  std::lock_guard<std::mutex> lock(mu_);
+  if (cuda_) {
+    if (dev != cudaDevice_) {
+      C10_THROW_ERROR(ValueError, site.prefix() + "this group's NCCL communicator is on " + cudaDevice_.str() +
+                                      ", the tensors on " + dev.str());
+    }
+    return cuda_;
+  }
+  auto api = nccl::loadNccl({});
+  if (!api.isOk()) {
+    C10_THROW_ERROR(ValueError, site.prefix() + api.status().message());
+  }
+  auto streams = nccl::makeDeviceStreamOps("cuda", dev.index());
+  if (!streams.isOk()) {
+    C10_THROW_ERROR(ValueError, site.prefix() + streams.status().message());
+  }
+  nccl::NcclOptions o{opts_.groupName, store_, "resilient_comm_nccl/" + opts_.groupName + "/", rank_, size_};
+  auto comm = nccl::NcclCommunicator::create(api.take(), streams.take(), std::move(o), Deadline::after(timeout_));
+  if (!comm.isOk()) {
+    C10_THROW_ERROR(ValueError, site.prefix() + comm.status().message());
+  }
+  cuda_ = comm.take();
+  cudaDevice_ = dev;
+  return cuda_;
 }
 
 CommErrorInfo ResilientBackend::site(const char* op) const {
@@ -266,10 +321,10 @@ CommErrorInfo ResilientBackend::site(const char* op) const {
   return info;
 }
 
-c10::intrusive_ptr<c10d::Work> ResilientBackend::push(OpType type, const char* opName, std::vector<at::Tensor> outputs,
+c10::intrusive_ptr<c10d::Work> ResilientBackend::push(std::shared_ptr<Communicator> comm, OpType type,
+                                                      const char* opName, std::vector<at::Tensor> outputs,
                                                       std::chrono::milliseconds timeout, bool mayRunInline, Body body,
                                                       std::optional<P2POp> p2p) {
-  std::shared_ptr<Communicator> comm = cpu_;
   auto work = c10::make_intrusive<ResilientWork>(site(opName), type, std::move(outputs),
                                                  [comm](const std::string& why) { abortComm(comm, why); });
   std::unique_lock<std::mutex> lock(mu_);
@@ -288,8 +343,8 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::push(OpType type, const char* o
     work->complete(Status(StatusCode::kTimeout, why));
     abortComm(comm, why);
   });
-  Task task{work, dl, std::move(body), p2p, id};
-  if (p2p && p2pRunning_ && queue_.empty()) {
+  Task task{comm, work, dl, std::move(body), p2p, id};
+  if (p2p && p2pRunning_ && queue_.empty() && comm == p2pComm_) {
     p2pJoin_.push_back(std::move(task));
     lock.unlock();
     uint64_t one = 1;
@@ -317,27 +372,28 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::push(OpType type, const char* o
 }
 
 void ResilientBackend::runTask(Task& task) {
-  task.work->setSeq(cpu_->nextSeq());
+  task.work->setSeq(task.comm->nextSeq());
   Status st;
   try {
-    st = task.body(*cpu_, task.deadline);
+    st = task.body(*task.comm, task.deadline);
   } catch (const std::exception& e) {
     st = Status(StatusCode::kInternal, e.what());
   }
   finishTask(task, st);
 }
 
-c10::intrusive_ptr<c10d::Work> ResilientBackend::enqueue(OpType type, const char* opName,
-                                                         std::vector<at::Tensor> outputs,
+c10::intrusive_ptr<c10d::Work> ResilientBackend::enqueue(std::shared_ptr<Communicator> comm, OpType type,
+                                                         const char* opName, std::vector<at::Tensor> outputs,
                                                          std::chrono::milliseconds timeout, bool mayRunInline,
                                                          Body body) {
-  return push(type, opName, std::move(outputs), timeout, mayRunInline, std::move(body), std::nullopt);
+  return push(std::move(comm), type, opName, std::move(outputs), timeout, mayRunInline, std::move(body),
+              std::nullopt);
 }
 
-c10::intrusive_ptr<c10d::Work> ResilientBackend::enqueueP2P(OpType type, const char* opName, const at::Tensor& t,
-                                                            P2POp op) {
+c10::intrusive_ptr<c10d::Work> ResilientBackend::enqueueP2P(std::shared_ptr<Communicator> comm, OpType type,
+                                                            const char* opName, const at::Tensor& t, P2POp op) {
   // The tensor stays alive through the Work's outputs until the op completes.
-  return push(type, opName, {t}, c10d::kUnsetTimeout, false, nullptr, op);
+  return push(std::move(comm), type, opName, {t}, c10d::kUnsetTimeout, false, nullptr, op);
 }
 
 void ResilientBackend::finishTask(Task& task, const Status& st) {
@@ -366,7 +422,7 @@ void ResilientBackend::runP2PGroup(std::vector<Task>& group) {
     p2pJoin_.clear();
     return more;
   };
-  Status st = cpu_->sendRecv(ops, dl, &feed);
+  Status st = group.front().comm->sendRecv(ops, dl, &feed);
   {
     // Ops that arrived after the transfer's last wake-up were never taken: they are next.
     std::lock_guard<std::mutex> lock(mu_);
@@ -383,7 +439,7 @@ void ResilientBackend::runP2PGroup(std::vector<Task>& group) {
 
 void ResilientBackend::workerLoop() {
   for (;;) {
-    Task task{nullptr, Deadline::never(), nullptr, std::nullopt, 0};
+    Task task{nullptr, nullptr, Deadline::never(), nullptr, std::nullopt, 0};
     std::vector<Task> p2pGroup;
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -392,11 +448,13 @@ void ResilientBackend::workerLoop() {
         return;  // stopping, and nothing left
       }
       running_ = true;
-      while (!queue_.empty() && queue_.front().p2p.has_value()) {
+      while (!queue_.empty() && queue_.front().p2p.has_value() &&
+             (p2pGroup.empty() || queue_.front().comm == p2pGroup.front().comm)) {
         p2pGroup.push_back(std::move(queue_.front()));
         queue_.pop_front();
       }
       p2pRunning_ = !p2pGroup.empty();
+      p2pComm_ = p2pRunning_ ? p2pGroup.front().comm : nullptr;
       if (p2pGroup.empty()) {
         task = std::move(queue_.front());
         queue_.pop_front();
@@ -419,11 +477,11 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::broadcast(std::vector<at::Tenso
   OpSite site{opts_.backendName, opts_.groupName, rank_, "broadcast"};
   checkSingle(site, tensors, "tensors");
   checkRank(site, opts.rootRank, size_, "root");
-  commFor(tensors, site.op);
+  auto comm = commFor(tensors, site.op);
   at::Tensor t = tensors[0];
   DataType dt = toDataType(site, t.scalar_type());
   int root = static_cast<int>(opts.rootRank);
-  return enqueue(OpType::BROADCAST, site.op, tensors, opts.timeout, !opts.asyncOp, [t, dt, root](Communicator& c, const Deadline& dl) {
+  return enqueue(comm, OpType::BROADCAST, site.op, tensors, opts.timeout, !opts.asyncOp, [t, dt, root](Communicator& c, const Deadline& dl) {
     return c.broadcast(ptr(t), t.numel(), dt, root, dl);
   });
 }
@@ -432,11 +490,11 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::allreduce(std::vector<at::Tenso
                                                            const c10d::AllreduceOptions& opts) {
   OpSite site{opts_.backendName, opts_.groupName, rank_, "all_reduce"};
   checkSingle(site, tensors, "tensors");
-  commFor(tensors, site.op);
+  auto comm = commFor(tensors, site.op);
   at::Tensor t = tensors[0];
   DataType dt = toDataType(site, t.scalar_type());
   RedOp op = toRedOp(site, opts.reduceOp, t.scalar_type());
-  return enqueue(OpType::ALLREDUCE, site.op, tensors, opts.timeout, !opts.asyncOp, [t, dt, op](Communicator& c, const Deadline& dl) {
+  return enqueue(comm, OpType::ALLREDUCE, site.op, tensors, opts.timeout, !opts.asyncOp, [t, dt, op](Communicator& c, const Deadline& dl) {
     return c.allReduce(ptr(t), t.numel(), dt, op, dl);
   });
 }
@@ -445,11 +503,11 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::allreduce_coalesced(std::vector
                                                                      const c10d::AllreduceCoalescedOptions& opts) {
   OpSite site{opts_.backendName, opts_.groupName, rank_, "all_reduce_coalesced"};
   checkTensors(site, tensors, "tensors");
-  commFor(tensors, site.op);
+  auto comm = commFor(tensors, site.op);
   DataType dt = toDataType(site, tensors[0].scalar_type());
   RedOp op = toRedOp(site, opts.reduceOp, tensors[0].scalar_type());
   std::vector<at::Tensor> ts = tensors;
-  return enqueue(OpType::ALLREDUCE_COALESCED, site.op, tensors, opts.timeout, !opts.asyncOp, [ts, dt, op](Communicator& c, const Deadline& dl) {
+  return enqueue(comm, OpType::ALLREDUCE_COALESCED, site.op, tensors, opts.timeout, !opts.asyncOp, [ts, dt, op](Communicator& c, const Deadline& dl) {
     std::vector<at::Tensor> views;
     for (const at::Tensor& t : ts) {
       views.push_back(t.reshape({-1}));
@@ -472,12 +530,12 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::reduce(std::vector<at::Tensor>&
   OpSite site{opts_.backendName, opts_.groupName, rank_, "reduce"};
   checkSingle(site, tensors, "tensors");
   checkRank(site, opts.rootRank, size_, "root");
-  commFor(tensors, site.op);
+  auto comm = commFor(tensors, site.op);
   at::Tensor t = tensors[0];
   DataType dt = toDataType(site, t.scalar_type());
   RedOp op = toRedOp(site, opts.reduceOp, t.scalar_type());
   int root = static_cast<int>(opts.rootRank);
-  return enqueue(OpType::REDUCE, site.op, tensors, opts.timeout, !opts.asyncOp, [t, dt, op, root](Communicator& c, const Deadline& dl) {
+  return enqueue(comm, OpType::REDUCE, site.op, tensors, opts.timeout, !opts.asyncOp, [t, dt, op, root](Communicator& c, const Deadline& dl) {
     return c.reduce(ptr(t), t.numel(), dt, op, root, dl);
   });
 }
@@ -497,12 +555,12 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::allgather(std::vector<std::vect
     C10_THROW_ERROR(ValueError, site.prefix() + "output tensors have " + std::to_string(outputs[0][0].numel()) +
                                     " elements but the input has " + std::to_string(inputs[0].numel()));
   }
-  commFor(inputs, site.op);
+  auto comm = commFor(inputs, site.op);
   at::Tensor in = inputs[0];
   std::vector<at::Tensor> outs = outputs[0];
   DataType dt = toDataType(site, in.scalar_type());
   int n = size_;
-  return enqueue(OpType::ALLGATHER, site.op, outs, opts.timeout, !opts.asyncOp, [in, outs, dt, n](Communicator& c, const Deadline& dl) {
+  return enqueue(comm, OpType::ALLGATHER, site.op, outs, opts.timeout, !opts.asyncOp, [in, outs, dt, n](Communicator& c, const Deadline& dl) {
     at::Tensor buf = flat(in, in.numel() * n);
     Status st = c.allGather(ptr(in), ptr(buf), in.numel(), dt, dl);
     if (st.isOk()) {
@@ -525,11 +583,11 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::_allgather_base(at::Tensor& out
                                     " elements; expected world size (" + std::to_string(size_) + ") x input (" +
                                     std::to_string(input.numel()) + ")");
   }
-  commFor({input}, site.op);
+  auto comm = commFor({input}, site.op);
   at::Tensor in = input;
   at::Tensor out = output;
   DataType dt = toDataType(site, in.scalar_type());
-  return enqueue(OpType::_ALLGATHER_BASE, site.op, {out}, opts.timeout, !opts.asyncOp, [in, out, dt](Communicator& c, const Deadline& dl) {
+  return enqueue(comm, OpType::_ALLGATHER_BASE, site.op, {out}, opts.timeout, !opts.asyncOp, [in, out, dt](Communicator& c, const Deadline& dl) {
     return c.allGather(ptr(in), ptr(out), in.numel(), dt, dl);
   });
 }
@@ -553,10 +611,10 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::allgather_into_tensor_coalesced
     }
     dts.push_back(toDataType(site, inputs[i].scalar_type()));
   }
-  commFor(inputs, site.op);
+  auto comm = commFor(inputs, site.op);
   std::vector<at::Tensor> ins = inputs;
   std::vector<at::Tensor> outs = outputs;
-  return enqueue(OpType::COALESCED, site.op, outs, opts.timeout, !opts.asyncOp, [ins, outs, dts](Communicator& c, const Deadline& dl) {
+  return enqueue(comm, OpType::COALESCED, site.op, outs, opts.timeout, !opts.asyncOp, [ins, outs, dts](Communicator& c, const Deadline& dl) {
     for (size_t i = 0; i < ins.size(); ++i) {
       Status st = c.allGather(ptr(ins[i]), ptr(outs[i]), ins[i].numel(), dts[i], dl);
       if (!st.isOk()) {
@@ -590,11 +648,11 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::gather(std::vector<std::vector<
     C10_THROW_ERROR(ValueError, site.prefix() + "only the root (rank " + std::to_string(root) +
                                     ") may pass a gather_list");
   }
-  commFor(inputs, site.op);
+  auto comm = commFor(inputs, site.op);
   at::Tensor in = inputs[0];
   DataType dt = toDataType(site, in.scalar_type());
   int n = size_;
-  return enqueue(OpType::GATHER, site.op, outs, opts.timeout, !opts.asyncOp, [in, outs, dt, root, n](Communicator& c, const Deadline& dl) {
+  return enqueue(comm, OpType::GATHER, site.op, outs, opts.timeout, !opts.asyncOp, [in, outs, dt, root, n](Communicator& c, const Deadline& dl) {
     at::Tensor buf = outs.empty() ? at::Tensor() : flat(in, in.numel() * n);
     Status st = c.gather(ptr(in), buf.defined() ? ptr(buf) : nullptr, in.numel(), dt, root, dl);
     if (st.isOk()) {
@@ -629,10 +687,10 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::scatter(std::vector<at::Tensor>
     C10_THROW_ERROR(ValueError, site.prefix() + "only the root (rank " + std::to_string(root) +
                                     ") may pass a scatter_list");
   }
-  commFor(outputs, site.op);
+  auto comm = commFor(outputs, site.op);
   at::Tensor out = outputs[0];
   DataType dt = toDataType(site, out.scalar_type());
-  return enqueue(OpType::SCATTER, site.op, {out}, opts.timeout, !opts.asyncOp, [ins, out, dt, root](Communicator& c, const Deadline& dl) {
+  return enqueue(comm, OpType::SCATTER, site.op, {out}, opts.timeout, !opts.asyncOp, [ins, out, dt, root](Communicator& c, const Deadline& dl) {
     at::Tensor buf;
     if (!ins.empty()) {
       std::vector<at::Tensor> views;
@@ -659,12 +717,12 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::reduce_scatter(std::vector<at::
   if (inputs[0][0].numel() != outputs[0].numel()) {
     C10_THROW_ERROR(ValueError, site.prefix() + "input tensors must have as many elements as the output");
   }
-  commFor(outputs, site.op);
+  auto comm = commFor(outputs, site.op);
   at::Tensor out = outputs[0];
   std::vector<at::Tensor> ins = inputs[0];
   DataType dt = toDataType(site, out.scalar_type());
   RedOp op = toRedOp(site, opts.reduceOp, out.scalar_type());
-  return enqueue(OpType::REDUCE_SCATTER, site.op, {out}, opts.timeout, !opts.asyncOp, [ins, out, dt, op](Communicator& c, const Deadline& dl) {
+  return enqueue(comm, OpType::REDUCE_SCATTER, site.op, {out}, opts.timeout, !opts.asyncOp, [ins, out, dt, op](Communicator& c, const Deadline& dl) {
     std::vector<at::Tensor> views;
     for (const at::Tensor& t : ins) {
       views.push_back(t.reshape({-1}));
@@ -685,12 +743,12 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::_reduce_scatter_base(at::Tensor
                                     " elements; expected world size (" + std::to_string(size_) + ") x output (" +
                                     std::to_string(output.numel()) + ")");
   }
-  commFor({input}, site.op);
+  auto comm = commFor({input}, site.op);
   at::Tensor in = input;
   at::Tensor out = output;
   DataType dt = toDataType(site, in.scalar_type());
   RedOp op = toRedOp(site, opts.reduceOp, in.scalar_type());
-  return enqueue(OpType::_REDUCE_SCATTER_BASE, site.op, {out}, opts.timeout, !opts.asyncOp,
+  return enqueue(comm, OpType::_REDUCE_SCATTER_BASE, site.op, {out}, opts.timeout, !opts.asyncOp,
                  [in, out, dt, op](Communicator& c, const Deadline& dl) {
                    return c.reduceScatter(ptr(in), ptr(out), out.numel(), dt, op, dl);
                  });
@@ -712,12 +770,12 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::reduce_scatter_tensor_coalesced
                                       "outputs[" + std::to_string(i) + "] elements");
     }
   }
-  commFor(inputs, site.op);
+  auto comm = commFor(inputs, site.op);
   DataType dt = toDataType(site, inputs[0].scalar_type());
   RedOp op = toRedOp(site, opts.reduceOp, inputs[0].scalar_type());
   std::vector<at::Tensor> ins = inputs;
   std::vector<at::Tensor> outs = outputs;
-  return enqueue(OpType::COALESCED, site.op, outs, opts.timeout, !opts.asyncOp, [ins, outs, dt, op](Communicator& c, const Deadline& dl) {
+  return enqueue(comm, OpType::COALESCED, site.op, outs, opts.timeout, !opts.asyncOp, [ins, outs, dt, op](Communicator& c, const Deadline& dl) {
     for (size_t i = 0; i < ins.size(); ++i) {
       Status st = c.reduceScatter(ptr(ins[i]), ptr(outs[i]), outs[i].numel(), dt, op, dl);
       if (!st.isOk()) {
@@ -770,11 +828,11 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::alltoall_base(at::Tensor& outpu
   std::vector<size_t> sc, sd, rc, rd;
   layout(input, inputSplitSizes, "input", &sc, &sd);
   layout(output, outputSplitSizes, "output", &rc, &rd);
-  commFor({input}, site.op);
+  auto comm = commFor({input}, site.op);
   at::Tensor in = input;
   at::Tensor out = output;
   DataType dt = toDataType(site, in.scalar_type());
-  return enqueue(OpType::ALLTOALL_BASE, site.op, {out}, opts.timeout, !opts.asyncOp,
+  return enqueue(comm, OpType::ALLTOALL_BASE, site.op, {out}, opts.timeout, !opts.asyncOp,
                  [in, out, dt, sc, sd, rc, rd](Communicator& c, const Deadline& dl) {
                    return c.allToAll(ptr(in), sc, sd, ptr(out), rc, rd, dt, dl);
                  });
@@ -791,7 +849,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::alltoall(std::vector<at::Tensor
                                     " tensors (one per rank)");
   }
   checkSameDtype(site, outputs[0], inputs[0], "output", "input");
-  commFor(inputs, site.op);
+  auto comm = commFor(inputs, site.op);
   std::vector<size_t> sc, sd, rc, rd;
   size_t so = 0;
   size_t ro = 0;
@@ -807,7 +865,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::alltoall(std::vector<at::Tensor
   std::vector<at::Tensor> ins = inputs;
   std::vector<at::Tensor> outs = outputs;
   int64_t total = static_cast<int64_t>(ro);
-  return enqueue(OpType::ALLTOALL, site.op, outs, opts.timeout, !opts.asyncOp,
+  return enqueue(comm, OpType::ALLTOALL, site.op, outs, opts.timeout, !opts.asyncOp,
                  [ins, outs, dt, sc, sd, rc, rd, total](Communicator& c, const Deadline& dl) {
                    std::vector<at::Tensor> views;
                    for (const at::Tensor& t : ins) {
@@ -832,10 +890,10 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::send(std::vector<at::Tensor>& t
   if (dstRank == rank_) {
     C10_THROW_ERROR(ValueError, site.prefix() + "cannot send to itself");
   }
-  commFor(tensors, site.op);
+  auto comm = commFor(tensors, site.op);
   toDataType(site, tensors[0].scalar_type());
   const at::Tensor& t = tensors[0];
-  return enqueueP2P(OpType::SEND, site.op, t, P2POp{P2POp::Kind::kSend, dstRank, ptr(t), t.nbytes(), static_cast<uint64_t>(tag)});
+  return enqueueP2P(comm, OpType::SEND, site.op, t, P2POp{P2POp::Kind::kSend, dstRank, ptr(t), t.nbytes(), static_cast<uint64_t>(tag)});
 }
 
 c10::intrusive_ptr<c10d::Work> ResilientBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
@@ -845,10 +903,10 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::recv(std::vector<at::Tensor>& t
   if (srcRank == rank_) {
     C10_THROW_ERROR(ValueError, site.prefix() + "cannot receive from itself");
   }
-  commFor(tensors, site.op);
+  auto comm = commFor(tensors, site.op);
   toDataType(site, tensors[0].scalar_type());
   const at::Tensor& t = tensors[0];
-  return enqueueP2P(OpType::RECV, site.op, t, P2POp{P2POp::Kind::kRecv, srcRank, ptr(t), t.nbytes(), static_cast<uint64_t>(tag)});
+  return enqueueP2P(comm, OpType::RECV, site.op, t, P2POp{P2POp::Kind::kRecv, srcRank, ptr(t), t.nbytes(), static_cast<uint64_t>(tag)});
 }
 
 c10::intrusive_ptr<c10d::Work> ResilientBackend::recvAnysource(std::vector<at::Tensor>&, int) {
@@ -857,7 +915,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::recvAnysource(std::vector<at::T
 }
 
 c10::intrusive_ptr<c10d::Work> ResilientBackend::barrier(const c10d::BarrierOptions& opts) {
-  return enqueue(OpType::BARRIER, "barrier", {}, opts.timeout, !opts.asyncOp,
+  return enqueue(cpu_, OpType::BARRIER, "barrier", {}, opts.timeout, !opts.asyncOp,
                  [](Communicator& c, const Deadline& dl) { return c.barrier(dl); });
 }
 

@@ -137,10 +137,12 @@ class ResilientBackend : public c10d::Backend {
 
   // Queues `body` on the worker; the Work completes with its Status. A synchronous op
   // (mayRunInline) on an idle group runs on the calling thread instead.
-  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* opName, std::vector<at::Tensor> outputs,
-                                         std::chrono::milliseconds timeout, bool mayRunInline, Body body);
-  // The communicator for these tensors' device, after checking they share it.
-  Communicator& commFor(const std::vector<at::Tensor>& tensors, const char* op);
+  c10::intrusive_ptr<c10d::Work> enqueue(std::shared_ptr<Communicator> comm, c10d::OpType type, const char* opName,
+                                         std::vector<at::Tensor> outputs, std::chrono::milliseconds timeout,
+                                         bool mayRunInline, Body body);
+  // The communicator for these tensors' device: TCP for CPU tensors; for CUDA tensors
+  // (resilient_nccl) an NCCL communicator, made on first use for that device.
+  std::shared_ptr<Communicator> commFor(const std::vector<at::Tensor>& tensors, const char* op);
   void workerLoop();
 
   // A child backend over `r`, or the error of the move as an exception.
@@ -150,21 +152,26 @@ class ResilientBackend : public c10d::Backend {
   const BackendOptions opts_;
   std::chrono::milliseconds timeout_;
   std::shared_ptr<Communicator> cpu_;
+  c10::intrusive_ptr<c10d::Store> store_;  // for the NCCL communicator's bootstrap
+  std::shared_ptr<Communicator> cuda_;     // guarded by mu_
+  at::Device cudaDevice_{at::kCPU};        // guarded by mu_
 
   // A task runs `body`, or, for send/recv, contributes `p2p`: consecutive queued send/recv
   // tasks run as one group so that two ranks exchanging large messages do not deadlock.
   struct Task {
+    std::shared_ptr<Communicator> comm;
     c10::intrusive_ptr<ResilientWork> work;
     Deadline deadline;
     Body body;
     std::optional<P2POp> p2p;
     Watchdog::Id watchId;
   };
-  c10::intrusive_ptr<c10d::Work> enqueueP2P(c10d::OpType type, const char* opName, const at::Tensor& t, P2POp op);
+  c10::intrusive_ptr<c10d::Work> enqueueP2P(std::shared_ptr<Communicator> comm, c10d::OpType type, const char* opName,
+                                            const at::Tensor& t, P2POp op);
   // Creates the Work, arms the watchdog and queues the task.
-  c10::intrusive_ptr<c10d::Work> push(c10d::OpType type, const char* opName, std::vector<at::Tensor> outputs,
-                                      std::chrono::milliseconds timeout, bool mayRunInline, Body body,
-                                      std::optional<P2POp> p2p);
+  c10::intrusive_ptr<c10d::Work> push(std::shared_ptr<Communicator> comm, c10d::OpType type, const char* opName,
+                                      std::vector<at::Tensor> outputs, std::chrono::milliseconds timeout,
+                                      bool mayRunInline, Body body, std::optional<P2POp> p2p);
   void runTask(Task& task);
   void startWorker();
   void finishTask(Task& task, const Status& st);
@@ -176,6 +183,7 @@ class ResilientBackend : public c10d::Backend {
   bool stopping_ = false;
   bool running_ = false;  // an op is running (on the worker or inline); guarded by mu_
   bool p2pRunning_ = false;     // the worker runs a send/recv group; guarded by mu_
+  std::shared_ptr<Communicator> p2pComm_;  // that group's communicator; guarded by mu_
   std::vector<Task> p2pJoin_;   // send/recv handed to that group; guarded by mu_
   int p2pWake_ = -1;            // eventfd: wakes the running group for p2pJoin_
   uint64_t enqueued_ = 0;

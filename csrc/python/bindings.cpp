@@ -8,7 +8,11 @@
 #include "common/env.h"
 #include "watchdog/reaper.h"
 #include "watchdog/watchdog.h"
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include "transport/nccl/fake_nccl.h"
 #include "transport/nccl/nccl_api.h"
+#include "transport/nccl/nccl_communicator.h"
 #include "transport/tcp/tcp_communicator.h"
 
 namespace py = pybind11;
@@ -132,19 +136,79 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("tcp_caps", [] { return capsDict(resilient_comm::tcp::TcpCommunicator::transportCaps()); });
 
+  m.def("set_nccl_candidates", &resilient_comm::nccl::setNcclCandidates, py::arg("paths"));
+  m.def(
+      "nccl_unique_id",
+      []() {
+        // The real library's ncclGetUniqueId (needs no GPU): a loader check for doctor and tests.
+        auto api = resilient_comm::nccl::loadNccl({});
+        if (!api.isOk()) {
+          throw std::runtime_error(api.status().message());
+        }
+        resilient_comm::nccl::ncclUniqueId id{};
+        auto r = api.value()->getUniqueId(&id);
+        if (r != resilient_comm::nccl::ncclSuccess) {
+          throw std::runtime_error(std::string("ncclGetUniqueId failed: ") + api.value()->getErrorString(r));
+        }
+        return py::bytes(id.internal, sizeof(id.internal));
+      });
+  m.def(
+      "nccl_init_check",
+      [](double timeoutSeconds) {
+        // A one-rank NCCL communicator on cuda:0 over a private store: Ok on a GPU machine, else the
+        // clear error resilient_nccl gives (no crash).
+        py::gil_scoped_release release;
+        auto api = resilient_comm::nccl::loadNccl({});
+        if (!api.isOk()) {
+          return api.status().toString();
+        }
+        auto streams = resilient_comm::nccl::makeDeviceStreamOps("cuda", 0);
+        std::shared_ptr<resilient_comm::nccl::StreamOps> ops;
+        if (streams.isOk()) {
+          ops = streams.take();
+        } else {
+          // No CUDA in this torch: NCCL's own init still runs (and reports the missing device).
+          resilient_comm::nccl::FakeScript none;
+          ops = std::make_shared<resilient_comm::nccl::FakeStreamOps>(none);
+        }
+        resilient_comm::nccl::NcclOptions o{"nccl_init_check", c10::make_intrusive<c10d::HashStore>(), "check/", 0, 1};
+        auto dl = resilient_comm::Deadline::after(std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000)));
+        auto comm = resilient_comm::nccl::NcclCommunicator::create(api.take(), ops, std::move(o), dl);
+        if (!comm.isOk()) {
+          return comm.status().toString();
+        }
+        return comm.value()->waitReady(dl).toString();
+      },
+      py::arg("timeout_seconds") = 30.0);
   m.def(
       "probe_nccl",
       [](const std::vector<std::string>& candidates) {
         py::dict d;
-        auto r = resilient_comm::nccl::probeNccl(candidates);
+        auto r = resilient_comm::nccl::loadNccl(candidates);
         d["found"] = r.isOk();
-        if (r.isOk()) {
-          d["path"] = r.value().path;
-          d["version"] = r.value().versionString();
-          d["version_code"] = r.value().version;
-        } else {
+        if (!r.isOk()) {
           d["error"] = r.status().message();
+          return d;
         }
+        const auto& api = r.value();
+        auto f = api->features();
+        d["path"] = api->path();
+        d["version"] = api->versionString();
+        d["version_code"] = api->version();
+        py::dict caps;
+        caps["non_blocking_init"] = f.nonBlockingInit;
+        caps["abort"] = f.nonBlockingInit;
+        caps["split"] = f.split;
+        caps["shrink"] = f.shrink;
+        caps["revoke"] = f.revoke;
+        caps["grow"] = f.grow;
+        caps["multi_rank_per_device"] = f.multiRankPerDevice;
+        d["caps"] = caps;
+        py::dict syms;
+        for (const char* s : resilient_comm::nccl::ncclSymbols()) {
+          syms[s] = api->hasSymbol(s);
+        }
+        d["symbols"] = syms;
         return d;
       },
       py::arg("candidates"));

@@ -6,6 +6,7 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "comm/store_util.h"
 #include "common/check.h"
 #include "common/logging.h"
 #include "transport/tcp/reduce.h"
@@ -15,16 +16,6 @@
 namespace resilient_comm::tcp {
 
 namespace {
-
-template <typename Fn>
-Status storeCall(const char* what, Fn&& fn) {
-  try {
-    fn();
-    return Status::ok();
-  } catch (const std::exception& e) {
-    return Status(StatusCode::kInternal, std::string("store ") + what + " failed: " + e.what());
-  }
-}
 
 std::string joinList(const std::vector<int>& v) {
   std::string s;
@@ -95,58 +86,12 @@ void TcpCommunicator::start(std::function<Status(TcpCommunicator&, const Deadlin
   }).detach();
 }
 
-Status TcpCommunicator::waitForKeys(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<std::string>& keys,
-                                    const Deadline& dl) {
-  // check() is one round trip and never blocks; back off between checks (waking at once on
-  // abort) rather than blocking in store->wait(), which cannot be interrupted.
-  std::chrono::microseconds backoff(200);
-  for (;;) {
-    bool present = false;
-    RC_RETURN_IF_ERROR(storeCall("check", [&] { present = store->check(keys); }));
-    if (present) {
-      return Status::ok();
-    }
-    if (abort_.aborted()) {
-      return Status(StatusCode::kAborted, abort_.reason());
-    }
-    if (dl.passed()) {
-      std::string missing;
-      for (const std::string& k : keys) {
-        bool has = false;
-        (void)storeCall("check", [&] { has = store->check({k}); });
-        if (!has) {
-          missing += (missing.empty() ? "" : ", ") + k;
-        }
-      }
-      return Status(StatusCode::kTimeout, "these store keys never appeared before the deadline: " + missing +
-                                              " (is every rank taking part?)");
-    }
-    abort_.waitFor(std::chrono::duration_cast<std::chrono::milliseconds>(backoff));
-    backoff = std::min(backoff * 2, std::chrono::microseconds(10000));
-  }
-}
-
-Result<std::vector<std::string>> TcpCommunicator::fetch(const c10::intrusive_ptr<c10d::Store>& store,
-                                                        const std::vector<std::string>& keys, const Deadline& dl) {
-  RC_RETURN_IF_ERROR(waitForKeys(store, keys, dl));
-  std::vector<std::vector<uint8_t>> values;
-  RC_RETURN_IF_ERROR(storeCall("multiGet", [&] { values = store->multiGet(keys); }));
-  std::vector<std::string> out;
-  for (const auto& v : values) {
-    out.emplace_back(v.begin(), v.end());
-  }
-  return out;
-}
-
-Status TcpCommunicator::publishListener(const c10d::Store& store, const std::string& key) {
+Status TcpCommunicator::publishListener(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key) {
   int port = 0;
   Result<Socket> listener = listenAnyPort(&port);
   RC_RETURN_IF_ERROR(listener.status());
   listener_ = std::make_shared<Socket>(listener.take());
-  std::string addr = publishedHost() + ":" + std::to_string(port);
-  return storeCall("set", [&] {
-    const_cast<c10d::Store&>(store).set(key, std::vector<uint8_t>(addr.begin(), addr.end()));
-  });
+  return storeSet(store, key, publishedHost() + ":" + std::to_string(port));
 }
 
 Status TcpCommunicator::buildMesh(const Deadline& dl) {
@@ -157,29 +102,27 @@ Status TcpCommunicator::buildMesh(const Deadline& dl) {
 Status TcpCommunicator::initFromStore(const Deadline& dl) {
   const int rank = opts_.rank;
   int64_t incarnation = 0;
-  RC_RETURN_IF_ERROR(storeCall("add", [&] {
-    incarnation = opts_.store->add(opts_.prefix + "incarnation/" + std::to_string(rank), 1);
-  }));
+  RC_ASSIGN_OR_RETURN(incarnation, storeAdd(opts_.store, opts_.prefix + "incarnation/" + std::to_string(rank), 1));
   epoch_ = opts_.prefix + "e" + std::to_string(incarnation) + "/";
   auto addrKey = [&](int r) { return epoch_ + "addr/" + std::to_string(r); };
-  RC_RETURN_IF_ERROR(publishListener(*opts_.store, addrKey(rank)));
+  RC_RETURN_IF_ERROR(publishListener(opts_.store, addrKey(rank)));
   std::vector<std::string> keys;
   for (int j = 0; j < opts_.size; ++j) {
     keys.push_back(addrKey(j));
   }
-  RC_ASSIGN_OR_RETURN(addrs_, fetch(opts_.store, keys, dl));
+  RC_ASSIGN_OR_RETURN(addrs_, storeFetch(opts_.store, keys, dl, abort_));
   return buildMesh(dl);
 }
 
 Status TcpCommunicator::joinFromStore(int existingSize, const Deadline& dl) {
   epoch_ = opts_.prefix;
-  RC_RETURN_IF_ERROR(publishListener(*opts_.store, opts_.prefix + "addr/" + std::to_string(opts_.rank)));
+  RC_RETURN_IF_ERROR(publishListener(opts_.store, opts_.prefix + "addr/" + std::to_string(opts_.rank)));
   std::vector<std::string> keys{opts_.prefix + "book"};
   for (int j = existingSize; j < opts_.size; ++j) {
     keys.push_back(opts_.prefix + "addr/" + std::to_string(j));
   }
   std::vector<std::string> values;
-  RC_ASSIGN_OR_RETURN(values, fetch(opts_.store, keys, dl));
+  RC_ASSIGN_OR_RETURN(values, storeFetch(opts_.store, keys, dl, abort_));
   addrs_.clear();
   std::string book = values[0];
   for (size_t pos = 0; pos < book.size();) {
@@ -276,7 +219,7 @@ Result<std::shared_ptr<Communicator>> TcpCommunicator::grow(int newSize, const c
     for (int r = 0; r < n; ++r) {
       book += (r ? ";" : "") + addrs_.at(r);
     }
-    RC_RETURN_IF_ERROR(storeCall("set", [&] { store->set(joinKey + "book", std::vector<uint8_t>(book.begin(), book.end())); }));
+    RC_RETURN_IF_ERROR(storeSet(store, joinKey + "book", book));
   }
   TcpOptions o = opts_;
   o.size = newSize;
@@ -294,7 +237,7 @@ Result<std::shared_ptr<Communicator>> TcpCommunicator::grow(int newSize, const c
           keys.push_back(c.opts_.prefix + "addr/" + std::to_string(j));
         }
         std::vector<std::string> joiners;
-        RC_ASSIGN_OR_RETURN(joiners, c.fetch(c.opts_.store, keys, d));
+        RC_ASSIGN_OR_RETURN(joiners, storeFetch(c.opts_.store, keys, d, c.abort_));
         c.addrs_.insert(c.addrs_.end(), joiners.begin(), joiners.end());
         return c.buildMesh(d);
       },

@@ -112,13 +112,9 @@ class TcpCommunicator : public Communicator, public std::enable_shared_from_this
   void start(std::function<Status(TcpCommunicator&, const Deadline&)> plan, const Deadline& dl);
   Status initFromStore(const Deadline& dl);
   Status joinFromStore(int existingSize, const Deadline& dl);
-  // Publishes this rank's listener under `key`, creating the listener if there is none.
-  Status publishListener(const c10d::Store& store, const std::string& key);
+  // Creates this rank's listener and publishes its address under `key`.
+  Status publishListener(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key);
   Status buildMesh(const Deadline& dl);
-  Status waitForKeys(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<std::string>& keys,
-                     const Deadline& dl);
-  Result<std::vector<std::string>> fetch(const c10::intrusive_ptr<c10d::Store>& store,
-                                         const std::vector<std::string>& keys, const Deadline& dl);
   // A child communicator over `members` (parent ranks, in their new order), built from the
   // address book; `tag` names the move and its arguments in the child's hash.
   std::shared_ptr<TcpCommunicator> derive(const std::vector<int>& members, const std::string& tag,

@@ -1,0 +1,650 @@
+#include "transport/nccl/nccl_communicator.h"
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include "comm/store_util.h"
+#include "common/check.h"
+#include "common/env.h"
+#include "watchdog/reaper.h"
+
+namespace resilient_comm::nccl {
+
+namespace {
+
+Result<ncclDataType_t> toNccl(DataType dt) {
+  switch (dt) {
+    case DataType::kInt8:
+      return ncclInt8;
+    case DataType::kUInt8:
+    case DataType::kBool:
+      return ncclUint8;
+    case DataType::kInt32:
+      return ncclInt32;
+    case DataType::kInt64:
+      return ncclInt64;
+    case DataType::kFloat16:
+      return ncclFloat16;
+    case DataType::kBFloat16:
+      return ncclBfloat16;
+    case DataType::kFloat32:
+      return ncclFloat32;
+    case DataType::kFloat64:
+      return ncclFloat64;
+    case DataType::kInt16:
+      break;
+  }
+  return Status(StatusCode::kInvalidArgument, std::string("NCCL has no ") + dataTypeName(dt) + " type");
+}
+
+ncclRedOp_t toNccl(RedOp op, DataType dt) {
+  if (dt == DataType::kBool) {  // or / and, as the TCP transport does
+    return (op == RedOp::kProd || op == RedOp::kMin) ? ncclMin : ncclMax;
+  }
+  switch (op) {
+    case RedOp::kSum:
+      return ncclSum;
+    case RedOp::kProd:
+      return ncclProd;
+    case RedOp::kMin:
+      return ncclMin;
+    case RedOp::kMax:
+      return ncclMax;
+    case RedOp::kAvg:
+      return ncclAvg;
+  }
+  return ncclSum;
+}
+
+std::string hex(const ncclUniqueId& id) {
+  static const char* digits = "0123456789abcdef";
+  std::string s;
+  for (unsigned char c : id.internal) {
+    s += digits[c >> 4];
+    s += digits[c & 15];
+  }
+  return s;
+}
+
+ncclUniqueId unhex(const std::string& s) {
+  ncclUniqueId id{};
+  auto val = [](char c) { return c <= '9' ? c - '0' : c - 'a' + 10; };
+  for (size_t i = 0; i < sizeof(id.internal) && 2 * i + 1 < s.size(); ++i) {
+    id.internal[i] = static_cast<char>(val(s[2 * i]) << 4 | val(s[2 * i + 1]));
+  }
+  return id;
+}
+
+std::chrono::milliseconds abortBound() {
+  return std::chrono::milliseconds(env::getInt(env::Knob::kAbortBoundMs));
+}
+
+}  // namespace
+
+NcclCommunicator::NcclCommunicator(std::shared_ptr<NcclApi> api, std::shared_ptr<StreamOps> streams,
+                                   NcclOptions opts)
+    : api_(std::move(api)), streams_(std::move(streams)), opts_(std::move(opts)) {}
+
+Result<std::shared_ptr<NcclCommunicator>> NcclCommunicator::create(std::shared_ptr<NcclApi> api,
+                                                                   std::shared_ptr<StreamOps> streams,
+                                                                   NcclOptions opts, const Deadline& initDeadline) {
+  if (!api->features().nonBlockingInit) {
+    return Status(StatusCode::kNotSupported, "NCCL " + api->versionString() + " at " + api->path() +
+                                                 " is too old: resilient_nccl needs 2.14 or later for "
+                                                 "non-blocking init and ncclCommAbort");
+  }
+  std::shared_ptr<NcclCommunicator> c(new NcclCommunicator(std::move(api), std::move(streams), std::move(opts)));
+  c->start(
+      [](NcclCommunicator& self, const Deadline& dl) -> Status {
+        int64_t incarnation = 0;
+        RC_ASSIGN_OR_RETURN(incarnation, storeAdd(self.opts_.store, self.opts_.prefix + "incarnation/" +
+                                                                        std::to_string(self.opts_.rank),
+                                                  1));
+        return self.initWithId(self.opts_.prefix + "e" + std::to_string(incarnation) + "/uid", dl);
+      },
+      initDeadline);
+  return c;
+}
+
+Result<std::shared_ptr<NcclCommunicator>> NcclCommunicator::join(std::shared_ptr<NcclApi> api,
+                                                                 std::shared_ptr<StreamOps> streams, NcclOptions opts,
+                                                                 const Deadline& dl) {
+  if (!api->features().nonBlockingInit) {
+    return Status(StatusCode::kNotSupported, "NCCL " + api->versionString() + " is too old to join a group");
+  }
+  std::shared_ptr<NcclCommunicator> c(new NcclCommunicator(std::move(api), std::move(streams), std::move(opts)));
+  c->start(
+      [](NcclCommunicator& self, const Deadline& d) -> Status {
+        if (!self.api_->features().grow) {
+          return self.initWithId(self.opts_.prefix + "uid", d);  // the members re-init too
+        }
+        std::vector<std::string> uid;
+        RC_ASSIGN_OR_RETURN(uid, storeFetch(self.opts_.store, {self.opts_.prefix + "uid"}, d, self.abort_));
+        ncclUniqueId id = unhex(uid[0]);
+        ncclConfig_t cfg = nonBlockingConfig();
+        return self.call("ncclCommGrow", [&] {
+          return self.api_->commGrow(nullptr, self.opts_.size, &id, self.opts_.rank, &self.comm_, &cfg);
+        });
+      },
+      dl);
+  return c;
+}
+
+NcclCommunicator::~NcclCommunicator() {
+  if (comm_ == nullptr) {
+    return;
+  }
+  if (state_.load() == CommState::kReady) {
+    // Healthy: flush and free, bounded like an abort.
+    auto api = api_;
+    ncclComm_t comm = comm_;
+    Reaper::run(
+        [api, comm] {
+          ncclResult_t st = api->commFinalize(comm);
+          while (st == ncclSuccess || st == ncclInProgress) {
+            ncclResult_t async = ncclSuccess;
+            api->commGetAsyncError(comm, &async);
+            if (async != ncclInProgress) {
+              break;
+            }
+            std::this_thread::yield();
+          }
+          api->commDestroy(comm);
+        },
+        abortBound(), "finalizing group '" + opts_.name + "'");
+  } else {
+    abortNccl();
+  }
+}
+
+Caps NcclCommunicator::caps() const {
+  NcclFeatures f = api_->features();
+  Caps c;
+  c.nonBlockingInit = f.nonBlockingInit;
+  c.abort = f.nonBlockingInit;
+  c.split = true;   // natively where f.split, else by re-init
+  c.shrink = true;  // natively where f.shrink, else by re-init
+  c.revoke = f.revoke;
+  c.grow = true;  // natively where f.grow, else by re-init
+  c.multiRankPerDevice = f.multiRankPerDevice;
+  return c;
+}
+
+Status NcclCommunicator::error() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return error_;
+}
+
+Status NcclCommunicator::mapError(const char* what, ncclResult_t r) {
+  if (r == ncclSuccess || r == ncclInProgress) {
+    return Status::ok();
+  }
+  std::string last = api_->getLastError(comm_);
+  std::string text = std::string(what) + " failed: " + api_->getErrorString(r) + (last.empty() ? "" : " (" + last + ")");
+  if (r == ncclRemoteError) {
+    return Status(StatusCode::kPeerFailure, text);
+  }
+  if (r == ncclUnhandledCudaError &&
+      (last.find("driver") != std::string::npos || last.find("no CUDA-capable") != std::string::npos)) {
+    return Status(StatusCode::kInternal, "no usable CUDA device: " + text);
+  }
+  return Status(StatusCode::kInternal, text);
+}
+
+Status NcclCommunicator::call(const char* what, const std::function<ncclResult_t()>& fn) {
+  std::lock_guard<std::mutex> lock(handle_->mu);
+  if (handle_->aborted) {
+    return Status(StatusCode::kAborted, "communicator of group '" + opts_.name + "' was aborted");
+  }
+  return mapError(what, fn());
+}
+
+Status NcclCommunicator::settle(const char* what, const Deadline& dl) {
+  std::chrono::microseconds backoff(20);
+  for (;;) {
+    ncclResult_t async = ncclSuccess;
+    RC_RETURN_IF_ERROR(call("ncclCommGetAsyncError", [&] { return api_->commGetAsyncError(comm_, &async); }));
+    if (async != ncclInProgress) {
+      return mapError(what, async);
+    }
+    if (abort_.aborted()) {
+      return Status(StatusCode::kAborted, abort_.reason());
+    }
+    if (dl.passed()) {
+      return Status(StatusCode::kTimeout, std::string(what) + " did not finish before the deadline");
+    }
+    abort_.waitFor(std::chrono::duration_cast<std::chrono::milliseconds>(backoff));
+    backoff = std::min(backoff * 2, std::chrono::microseconds(2000));
+  }
+}
+
+Status NcclCommunicator::initWithId(const std::string& key, const Deadline& dl) {
+  if (opts_.rank == 0) {
+    ncclUniqueId id{};
+    RC_RETURN_IF_ERROR(mapError("ncclGetUniqueId", api_->getUniqueId(&id)));
+    RC_RETURN_IF_ERROR(storeSet(opts_.store, key, hex(id)));
+  }
+  std::vector<std::string> uid;
+  RC_ASSIGN_OR_RETURN(uid, storeFetch(opts_.store, {key}, dl, abort_));
+  ncclUniqueId id = unhex(uid[0]);
+  ncclConfig_t cfg = nonBlockingConfig();
+  return call("ncclCommInitRankConfig",
+              [&] { return api_->commInitRankConfig(&comm_, opts_.size, id, opts_.rank, &cfg); });
+}
+
+void NcclCommunicator::start(std::function<Status(NcclCommunicator&, const Deadline&)> plan, const Deadline& dl) {
+  std::shared_ptr<NcclCommunicator> self = shared_from_this();
+  std::thread([self, plan = std::move(plan), dl] {
+    Status st = plan(*self, dl);
+    if (st.isOk()) {
+      st = self->settle("communicator init", dl);
+    }
+    std::lock_guard<std::mutex> lock(self->mu_);
+    if (self->state_.load() != CommState::kInitializing) {
+      return;  // aborted meanwhile
+    }
+    if (st.isOk()) {
+      self->state_.store(CommState::kReady);
+      return;
+    }
+    self->error_ = st.withContext("building group '" + self->opts_.name + "' on rank " + std::to_string(self->opts_.rank));
+    self->state_.store(CommState::kError);
+    self->abort_.abort(st.message());
+    self->abortNccl();
+  }).detach();
+}
+
+Status NcclCommunicator::poll() {
+  switch (state_.load()) {
+    case CommState::kInitializing:
+      return Status(StatusCode::kInProgress, "init of group '" + opts_.name + "' in progress");
+    case CommState::kReady:
+      return Status::ok();
+    default:
+      return error();
+  }
+}
+
+Status NcclCommunicator::waitReady(const Deadline& deadline) {
+  std::chrono::microseconds backoff(100);
+  for (;;) {
+    Status st = poll();
+    if (st.code() != StatusCode::kInProgress) {
+      return st;
+    }
+    if (deadline.passed()) {
+      Status t(StatusCode::kTimeout, "init of group '" + opts_.name + "' on rank " + std::to_string(opts_.rank) +
+                                         " did not finish before its deadline; aborted");
+      abort(t.message());
+      return t;
+    }
+    abort_.waitFor(std::chrono::duration_cast<std::chrono::milliseconds>(backoff));
+    backoff = std::min(backoff * 2, std::chrono::microseconds(5000));
+  }
+}
+
+void NcclCommunicator::abortNccl() {
+  Reaper::run(
+      [h = handle_, api = api_] {
+        std::lock_guard<std::mutex> lock(h->mu);
+        if (h->comm != nullptr && !h->aborted) {
+          api->commAbort(h->comm);
+        }
+        h->aborted = true;
+      },
+      abortBound(), "ncclCommAbort of group '" + opts_.name + "'");
+}
+
+void NcclCommunicator::abort(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    CommState s = state_.load();
+    if (s == CommState::kInitializing || s == CommState::kReady) {
+      error_ = Status(StatusCode::kAborted, "communicator of group '" + opts_.name + "' was aborted: " + reason);
+      state_.store(CommState::kAborted);
+    }
+  }
+  abort_.abort(reason);
+  abortNccl();
+}
+
+Status NcclCommunicator::fail(const Status& st) {
+  if (st.isOk() || st.code() == StatusCode::kInvalidArgument) {
+    return st;
+  }
+  bool first = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (state_.load() == CommState::kReady) {
+      error_ = st;
+      state_.store(CommState::kError);
+      first = true;
+    }
+  }
+  abort_.abort(st.message());
+  abortNccl();
+  return first ? st : error();
+}
+
+Status NcclCommunicator::waitDone(uint64_t token, const Deadline& dl) {
+  std::chrono::microseconds backoff(5);
+  for (;;) {
+    // The error first: an op that "finished" on a communicator with a remote error has no
+    // trustworthy result.
+    ncclResult_t async = ncclSuccess;
+    RC_RETURN_IF_ERROR(call("ncclCommGetAsyncError", [&] { return api_->commGetAsyncError(comm_, &async); }));
+    RC_RETURN_IF_ERROR(mapError("the op (asynchronous error)", async));
+    if (streams_->done(token)) {
+      return Status::ok();
+    }
+    if (abort_.aborted()) {
+      return Status(StatusCode::kAborted, "communicator aborted: " + abort_.reason());
+    }
+    if (dl.passed()) {
+      return Status(StatusCode::kTimeout, "the op did not complete on the device before its deadline");
+    }
+    abort_.waitFor(std::chrono::duration_cast<std::chrono::milliseconds>(backoff));
+    backoff = std::min(backoff * 2, std::chrono::microseconds(1000));
+  }
+}
+
+Status NcclCommunicator::run(OpKind op, const Deadline& dl, const std::function<Status()>& launch) {
+  const uint64_t seq = seq_++;
+  CommState s = state_.load();
+  if (s == CommState::kInitializing) {
+    RC_RETURN_IF_ERROR(waitReady(dl));
+    s = state_.load();
+  }
+  if (s != CommState::kReady) {
+    return error();
+  }
+  streams_->followCaller();
+  Status st = launch();
+  if (st.isOk()) {
+    st = waitDone(streams_->record(), dl);
+  }
+  if (st.isOk()) {
+    return st;
+  }
+  return fail(st.withContext(std::string(opKindName(op)) + " #" + std::to_string(seq)));
+}
+
+Status NcclCommunicator::allReduce(void* buf, size_t count, DataType dt, RedOp op, const Deadline& dl) {
+  ncclDataType_t t{};
+  RC_ASSIGN_OR_RETURN(t, toNccl(dt));
+  return run(OpKind::kAllReduce, dl, [&] {
+    return call("ncclAllReduce",
+                [&] { return api_->allReduce(buf, buf, count, t, toNccl(op, dt), comm_, streams_->nativeStream()); });
+  });
+}
+
+Status NcclCommunicator::broadcast(void* buf, size_t count, DataType dt, int root, const Deadline& dl) {
+  size_t bytes = count * dataTypeSize(dt);
+  return run(OpKind::kBroadcast, dl, [&] {
+    return call("ncclBroadcast",
+                [&] { return api_->broadcast(buf, buf, bytes, ncclUint8, root, comm_, streams_->nativeStream()); });
+  });
+}
+
+Status NcclCommunicator::reduce(void* buf, size_t count, DataType dt, RedOp op, int root, const Deadline& dl) {
+  ncclDataType_t t{};
+  RC_ASSIGN_OR_RETURN(t, toNccl(dt));
+  return run(OpKind::kReduce, dl, [&] {
+    return call("ncclReduce", [&] {
+      return api_->reduce(buf, buf, count, t, toNccl(op, dt), root, comm_, streams_->nativeStream());
+    });
+  });
+}
+
+Status NcclCommunicator::allGather(const void* send, void* recv, size_t count, DataType dt, const Deadline& dl) {
+  size_t bytes = count * dataTypeSize(dt);
+  return run(OpKind::kAllGather, dl, [&] {
+    return call("ncclAllGather",
+                [&] { return api_->allGather(send, recv, bytes, ncclUint8, comm_, streams_->nativeStream()); });
+  });
+}
+
+Status NcclCommunicator::reduceScatter(const void* send, void* recv, size_t count, DataType dt, RedOp op,
+                                       const Deadline& dl) {
+  ncclDataType_t t{};
+  RC_ASSIGN_OR_RETURN(t, toNccl(dt));
+  return run(OpKind::kReduceScatter, dl, [&] {
+    return call("ncclReduceScatter", [&] {
+      return api_->reduceScatter(send, recv, count, t, toNccl(op, dt), comm_, streams_->nativeStream());
+    });
+  });
+}
+
+Status NcclCommunicator::allToAll(const void* send, const std::vector<size_t>& sendCounts,
+                                  const std::vector<size_t>& sendDispls, void* recv,
+                                  const std::vector<size_t>& recvCounts, const std::vector<size_t>& recvDispls,
+                                  DataType dt, const Deadline& dl) {
+  const size_t es = dataTypeSize(dt);
+  return run(OpKind::kAllToAll, dl, [&] {
+    return call("ncclSend/ncclRecv group", [&] {
+      api_->groupStart();
+      for (int p = 0; p < opts_.size; ++p) {
+        api_->send(static_cast<const char*>(send) + sendDispls[p] * es, sendCounts[p] * es, ncclUint8, p, comm_,
+                   streams_->nativeStream());
+        api_->recv(static_cast<char*>(recv) + recvDispls[p] * es, recvCounts[p] * es, ncclUint8, p, comm_,
+                   streams_->nativeStream());
+      }
+      return api_->groupEnd();
+    });
+  });
+}
+
+Status NcclCommunicator::gather(const void* send, void* recv, size_t count, DataType dt, int root,
+                                const Deadline& dl) {
+  const size_t bytes = count * dataTypeSize(dt);
+  return run(OpKind::kGather, dl, [&] {
+    return call("ncclSend/ncclRecv group", [&] {
+      api_->groupStart();
+      if (opts_.rank == root) {
+        for (int p = 0; p < opts_.size; ++p) {
+          api_->recv(static_cast<char*>(recv) + p * bytes, bytes, ncclUint8, p, comm_, streams_->nativeStream());
+        }
+      }
+      api_->send(send, bytes, ncclUint8, root, comm_, streams_->nativeStream());
+      return api_->groupEnd();
+    });
+  });
+}
+
+Status NcclCommunicator::scatter(const void* send, void* recv, size_t count, DataType dt, int root,
+                                 const Deadline& dl) {
+  const size_t bytes = count * dataTypeSize(dt);
+  return run(OpKind::kScatter, dl, [&] {
+    return call("ncclSend/ncclRecv group", [&] {
+      api_->groupStart();
+      if (opts_.rank == root) {
+        for (int p = 0; p < opts_.size; ++p) {
+          api_->send(static_cast<const char*>(send) + p * bytes, bytes, ncclUint8, p, comm_, streams_->nativeStream());
+        }
+      }
+      api_->recv(recv, bytes, ncclUint8, root, comm_, streams_->nativeStream());
+      return api_->groupEnd();
+    });
+  });
+}
+
+Status NcclCommunicator::barrier(const Deadline& dl) {
+  void* one = streams_->scratch(sizeof(float));
+  return run(OpKind::kBarrier, dl, [&] {
+    return call("ncclAllReduce (barrier)",
+                [&] { return api_->allReduce(one, one, 1, ncclFloat32, ncclSum, comm_, streams_->nativeStream()); });
+  });
+}
+
+Status NcclCommunicator::sendRecv(const std::vector<P2POp>& ops, const Deadline& dl, const P2PFeed* feed) {
+  for (const P2POp& op : ops) {
+    if (op.peer < 0 || op.peer >= opts_.size || op.peer == opts_.rank) {
+      return Status(StatusCode::kInvalidArgument, "send/recv: peer " + std::to_string(op.peer) +
+                                                      " is not another rank of a group of " +
+                                                      std::to_string(opts_.size));
+    }
+  }
+  // NCCL has no tags: messages between two ranks match in order, as on TCP. Ops queued while
+  // this group runs are not joined (the group is already on the device): `feed` is unused.
+  (void)feed;
+  return run(OpKind::kSendRecv, dl, [&] {
+    return call("ncclSend/ncclRecv group", [&] {
+      api_->groupStart();
+      for (const P2POp& op : ops) {
+        if (op.kind == P2POp::Kind::kSend) {
+          api_->send(op.buf, op.bytes, ncclUint8, op.peer, comm_, streams_->nativeStream());
+        } else {
+          api_->recv(op.buf, op.bytes, ncclUint8, op.peer, comm_, streams_->nativeStream());
+        }
+      }
+      return api_->groupEnd();
+    });
+  });
+}
+
+Result<std::shared_ptr<Communicator>> NcclCommunicator::adopt(ncclComm_t child, int rank, int size,
+                                                              const std::string& tag, const Deadline& dl) {
+  if (child == nullptr) {
+    return std::shared_ptr<Communicator>();
+  }
+  NcclOptions o = opts_;
+  o.rank = rank;
+  o.size = size;
+  o.prefix = opts_.prefix + tag;
+  std::shared_ptr<NcclCommunicator> c(new NcclCommunicator(api_, streams_, std::move(o)));
+  c->comm_ = child;
+  c->start([](NcclCommunicator&, const Deadline&) { return Status::ok(); }, dl);
+  return std::shared_ptr<Communicator>(c);
+}
+
+Result<std::shared_ptr<Communicator>> NcclCommunicator::reinit(int rank, int size, const std::string& key,
+                                                               const Deadline& dl) {
+  NcclOptions o = opts_;
+  o.rank = rank;
+  o.size = size;
+  std::shared_ptr<NcclCommunicator> c(new NcclCommunicator(api_, streams_, std::move(o)));
+  c->start([key](NcclCommunicator& self, const Deadline& d) { return self.initWithId(key, d); }, dl);
+  return std::shared_ptr<Communicator>(c);
+}
+
+Result<std::shared_ptr<Communicator>> NcclCommunicator::shrink(const std::vector<int>& exclude, bool afterError,
+                                                               const Deadline& dl) {
+  const int n = opts_.size;
+  std::vector<bool> out(n, false);
+  for (int r : exclude) {
+    if (r < 0 || r >= n || out[r] || r == opts_.rank) {
+      return Status(StatusCode::kInvalidArgument, "shrink: bad exclude list (rank " + std::to_string(r) +
+                                                      "): out of range, repeated, or this rank");
+    }
+    out[r] = true;
+  }
+  if (static_cast<int>(exclude.size()) >= n) {
+    return Status(StatusCode::kInvalidArgument, "shrink: excluding everyone leaves nobody");
+  }
+  int newRank = opts_.rank - static_cast<int>(std::count_if(exclude.begin(), exclude.end(),
+                                                             [&](int r) { return r < opts_.rank; }));
+  int newSize = n - static_cast<int>(exclude.size());
+  std::string tag = "shrink" + std::to_string(derived_++) + "/";
+  if (!api_->features().shrink || comm_ == nullptr) {
+    if (afterError) {
+      abort("shrunk after an error");
+    }
+    std::string members;
+    for (int r = 0; r < n; ++r) {
+      members += out[r] ? "" : std::to_string(r) + ",";
+    }
+    return reinit(newRank, newSize, opts_.prefix + tag + members + "/uid", dl);
+  }
+  std::vector<int> ex(exclude.begin(), exclude.end());
+  ncclComm_t child = nullptr;
+  ncclConfig_t cfg = nonBlockingConfig();
+  Status st = call("ncclCommShrink", [&] {
+    return api_->commShrink(comm_, ex.data(), static_cast<int>(ex.size()), &child, &cfg,
+                            afterError ? kNcclShrinkAbort : kNcclShrinkDefault);
+  });
+  if (afterError) {
+    abort("shrunk after an error (NCCL_SHRINK_ABORT)");
+  }
+  RC_RETURN_IF_ERROR(st);
+  return adopt(child, newRank, newSize, tag, dl);
+}
+
+Result<std::vector<int>> NcclCommunicator::agreeOnMembers(int color, int key, const std::string& tag,
+                                                         const Deadline& dl) {
+  std::vector<std::string> keys;
+  for (int r = 0; r < opts_.size; ++r) {
+    keys.push_back(opts_.prefix + tag + "ck/" + std::to_string(r));
+  }
+  RC_RETURN_IF_ERROR(storeSet(opts_.store, keys[opts_.rank], std::to_string(color) + "," + std::to_string(key)));
+  std::vector<std::string> all;
+  RC_ASSIGN_OR_RETURN(all, storeFetch(opts_.store, keys, dl, abort_));
+  std::vector<std::pair<int, int>> byKey;
+  for (int r = 0; r < opts_.size; ++r) {
+    if (color >= 0 && std::stoi(all[r]) == color) {
+      byKey.push_back({std::stoi(all[r].substr(all[r].find(',') + 1)), r});
+    }
+  }
+  std::sort(byKey.begin(), byKey.end());  // by key, then parent rank, as ncclCommSplit numbers them
+  std::vector<int> members;
+  for (const auto& kr : byKey) {
+    members.push_back(kr.second);
+  }
+  return members;
+}
+
+Result<std::shared_ptr<Communicator>> NcclCommunicator::split(int color, int key, const Deadline& dl) {
+  std::string tag = "split" + std::to_string(derived_++) + "/";
+  std::vector<int> members;
+  RC_ASSIGN_OR_RETURN(members, agreeOnMembers(color, key, tag, dl));
+  if (color < 0) {
+    if (api_->features().split) {  // NCCL needs every parent member in the split call
+      ncclComm_t none = nullptr;
+      ncclConfig_t cfg = nonBlockingConfig();
+      RC_RETURN_IF_ERROR(
+          call("ncclCommSplit", [&] { return api_->commSplit(comm_, kNcclSplitNoColor, key, &none, &cfg); }));
+    }
+    return std::shared_ptr<Communicator>();
+  }
+  int newRank = static_cast<int>(std::find(members.begin(), members.end(), opts_.rank) - members.begin());
+  int newSize = static_cast<int>(members.size());
+  if (!api_->features().split) {
+    return reinit(newRank, newSize, opts_.prefix + tag + std::to_string(color) + "/uid", dl);
+  }
+  ncclComm_t child = nullptr;
+  ncclConfig_t cfg = nonBlockingConfig();
+  RC_RETURN_IF_ERROR(call("ncclCommSplit", [&] { return api_->commSplit(comm_, color, key, &child, &cfg); }));
+  return adopt(child, newRank, newSize, tag, dl);
+}
+
+Result<std::shared_ptr<Communicator>> NcclCommunicator::grow(int newSize, const c10::intrusive_ptr<c10d::Store>& store,
+                                                             const std::string& joinKey, const Deadline& dl) {
+  if (newSize <= opts_.size) {
+    return Status(StatusCode::kInvalidArgument, "grow: the new size must exceed the current size");
+  }
+  ++derived_;
+  if (!api_->features().grow) {
+    NcclOptions o = opts_;
+    o.store = store;
+    o.size = newSize;
+    std::shared_ptr<NcclCommunicator> c(new NcclCommunicator(api_, streams_, std::move(o)));
+    c->start([joinKey](NcclCommunicator& self, const Deadline& d) { return self.initWithId(joinKey + "uid", d); },
+             dl);
+    return std::shared_ptr<Communicator>(c);
+  }
+  ncclUniqueId id{};
+  if (opts_.rank == 0) {
+    RC_RETURN_IF_ERROR(call("ncclCommGetUniqueId", [&] { return api_->commGetUniqueId(comm_, &id); }));
+    RC_RETURN_IF_ERROR(storeSet(store, joinKey + "uid", hex(id)));
+  }
+  ncclComm_t child = nullptr;
+  ncclConfig_t cfg = nonBlockingConfig();
+  RC_RETURN_IF_ERROR(call("ncclCommGrow", [&] {
+    return api_->commGrow(comm_, newSize, opts_.rank == 0 ? &id : nullptr, -1, &child, &cfg);
+  }));
+  return adopt(child, opts_.rank, newSize, "grow/", dl);
+}
+
+}  // namespace resilient_comm::nccl

@@ -1,0 +1,26 @@
+"""Runs the C++ unit tests (tests/cpp: the NCCL communicator's state machine through FakeNccl)."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _binary() -> pathlib.Path:
+    built = sorted(ROOT.glob("build/*/rc_cpp_tests"), key=lambda p: p.stat().st_mtime)
+    if not built:
+        pytest.fail("rc_cpp_tests is not built: run scripts/setup.sh (it builds every CMake target)")
+    return built[-1]
+
+
+@pytest.mark.timeout(120)
+def test_cpp_unit_tests() -> None:
+    out = subprocess.run([str(_binary())], capture_output=True, text=True, timeout=110)
+    lines = out.stdout.strip().splitlines()
+    assert lines, out.stderr
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert lines[-1].endswith(" 0 failed") and int(lines[-1].split()[0]) >= 10, lines[-1]
