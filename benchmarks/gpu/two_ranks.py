@@ -1,5 +1,5 @@
 """Two ranks of resilient_nccl on one GPU (NCCL >= 2.30, NCCL_MULTI_RANK_GPU_ENABLE=1), run by
-check.py: correctness, a mid-op abort on a missing peer, shrink and split latency. Prints
+check.py: correctness, split latency, a mid-op abort on a missing peer, then shrink latency. Prints
 `ROW name=value` lines for check.py's table."""
 
 from __future__ import annotations
@@ -38,6 +38,12 @@ def worker(ctx: WorkerContext) -> dict:
         res["hung"] = "completed?!"
     except resilient_comm.CommError as e:
         res["hung"] = f"{type(e).__name__} after {time.perf_counter() - t0:.2f} s (op timeout 1 s)"
+    t0 = time.perf_counter()
+    resilient_comm.shrink([1])  # the missing peer leaves; ncclCommShrink with NCCL_SHRINK_ABORT
+    z = torch.ones(4, device=dev)
+    dist.all_reduce(z)
+    torch.cuda.synchronize()
+    res["shrink_ms"] = 1e3 * (time.perf_counter() - t0)
     store.set("done", "1")
     return res
 
@@ -52,3 +58,4 @@ if __name__ == "__main__":
         print(f"ROW 2 ranks: all_reduce correct={v['sum_ok']}")
         print(f"ROW 2 ranks: split -> first all_reduce={v['split_ms']:.1f} ms")
         print(f"ROW 2 ranks: op on a missing peer={v['hung']}")
+        print(f"ROW 2 ranks: shrink after it -> first all_reduce={v['shrink_ms']:.1f} ms")
