@@ -1,5 +1,8 @@
 #include "comm/communicator.h"
 
+#include <algorithm>
+#include <chrono>
+
 namespace resilient_comm {
 
 const char* commStateName(CommState s) {
@@ -16,6 +19,35 @@ const char* commStateName(CommState s) {
       return "Aborted";
   }
   return "Unknown";
+}
+
+Status pollState(CommState state, const std::string& name, const std::function<Status()>& error) {
+  switch (state) {
+    case CommState::kInitializing:
+      return Status(StatusCode::kInProgress, "init of group '" + name + "' in progress");
+    case CommState::kReady:
+      return Status::ok();
+    default:
+      return error();
+  }
+}
+
+Status waitUntilReady(Communicator& comm, AbortToken& token, const Deadline& deadline) {
+  std::chrono::microseconds backoff(100);
+  for (;;) {
+    Status st = comm.poll();
+    if (st.code() != StatusCode::kInProgress) {
+      return st;
+    }
+    if (deadline.passed()) {
+      Status t(StatusCode::kTimeout, "init of group '" + comm.name() + "' on rank " + std::to_string(comm.rank()) +
+                                         " did not finish before its deadline; aborted");
+      comm.abort(t.message());
+      return t;
+    }
+    token.waitFor(backoff);
+    backoff = std::min(backoff * 2, std::chrono::microseconds(5000));
+  }
 }
 
 }  // namespace resilient_comm

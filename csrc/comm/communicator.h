@@ -26,6 +26,7 @@
 
 #include <c10/util/intrusive_ptr.h>
 
+#include "common/abort_token.h"
 #include "common/deadline.h"
 #include "common/status.h"
 #include "comm/types.h"
@@ -127,5 +128,10 @@ class Communicator {
   virtual Result<std::shared_ptr<Communicator>> grow(int newSize, const c10::intrusive_ptr<c10d::Store>& store,
                                                      const std::string& joinKey, const Deadline& dl) = 0;
 };
+
+// Shared by the transports: poll()'s answer for a state (kInProgress while Initializing), and a
+// waitReady() that polls with back-off until Ready, the deadline (then aborts), or an abort.
+Status pollState(CommState state, const std::string& name, const std::function<Status()>& error);
+Status waitUntilReady(Communicator& comm, AbortToken& token, const Deadline& deadline);
 
 }  // namespace resilient_comm

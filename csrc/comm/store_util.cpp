@@ -59,7 +59,7 @@ Result<std::vector<std::string>> storeFetch(const StorePtr& store, const std::ve
       return Status(StatusCode::kTimeout, "these store keys never appeared before the deadline: " + missing +
                                               " (is every rank taking part?)");
     }
-    abort.waitFor(std::chrono::duration_cast<std::chrono::milliseconds>(backoff));
+    abort.waitFor(backoff);
     backoff = std::min(backoff * 2, std::chrono::microseconds(10000));
   }
   std::vector<std::vector<uint8_t>> values;

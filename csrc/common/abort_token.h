@@ -36,14 +36,14 @@ class AbortToken {
   }
   // Sleeps up to `d`; returns true at once if the token fired. Not a synchronisation
   // primitive: callers re-check their own condition after it returns.
-  bool waitFor(std::chrono::milliseconds d) {
+  bool waitFor(std::chrono::microseconds d) const {
     std::unique_lock<std::mutex> lock(mu_);
     return cv_.wait_for(lock, d, [this] { return aborted_.load(std::memory_order_relaxed); });
   }
 
  private:
   mutable std::mutex mu_;
-  std::condition_variable cv_;
+  mutable std::condition_variable cv_;
   std::atomic<bool> aborted_{false};
   std::string reason_;
 };

@@ -25,6 +25,8 @@ namespace resilient_comm::env {
     "path of the libnccl to load before trying the one torch loaded and the nvidia-nccl wheel")  \
   X(kNcclMultiRankGpu, "NCCL_MULTI_RANK_GPU_ENABLE", "0",                                        \
     "NCCL's own switch (2.30+): several ranks of a communicator on one GPU; read to report the cap") \
+  X(kHcclLib, "RESILIENT_COMM_HCCL_LIB", "",                                                     \
+    "path of the libhccl to load before libhccl.so from the default library search path")        \
   X(kWatchdogGraceMs, "RESILIENT_COMM_WATCHDOG_GRACE_MS", "250",                                 \
     "the watchdog aborts an op this long after its deadline if the transport has not failed it") \
   X(kAbortBoundMs, "RESILIENT_COMM_ABORT_BOUND_MS", "2000",                                      \

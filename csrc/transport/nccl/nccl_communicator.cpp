@@ -6,6 +6,9 @@
 #include <cstring>
 #include <thread>
 
+#include "comm/bootstrap_id.h"
+#include "comm/group_moves.h"
+#include "comm/poll_loop.h"
 #include "comm/store_util.h"
 #include "common/check.h"
 #include "common/env.h"
@@ -59,25 +62,6 @@ ncclRedOp_t toNccl(RedOp op, DataType dt) {
   return ncclSum;
 }
 
-std::string hex(const ncclUniqueId& id) {
-  static const char* digits = "0123456789abcdef";
-  std::string s;
-  for (unsigned char c : id.internal) {
-    s += digits[c >> 4];
-    s += digits[c & 15];
-  }
-  return s;
-}
-
-ncclUniqueId unhex(const std::string& s) {
-  ncclUniqueId id{};
-  auto val = [](char c) { return c <= '9' ? c - '0' : c - 'a' + 10; };
-  for (size_t i = 0; i < sizeof(id.internal) && 2 * i + 1 < s.size(); ++i) {
-    id.internal[i] = static_cast<char>(val(s[2 * i]) << 4 | val(s[2 * i + 1]));
-  }
-  return id;
-}
-
 std::chrono::milliseconds abortBound() {
   return std::chrono::milliseconds(env::getInt(env::Knob::kAbortBoundMs));
 }
@@ -123,7 +107,8 @@ Result<std::shared_ptr<NcclCommunicator>> NcclCommunicator::join(std::shared_ptr
         }
         std::vector<std::string> uid;
         RC_ASSIGN_OR_RETURN(uid, storeFetch(self.opts_.store, {self.opts_.prefix + "uid"}, d, self.abort_));
-        ncclUniqueId id = unhex(uid[0]);
+        ncclUniqueId id{};
+        RC_RETURN_IF_ERROR(hexDecode(uid[0], id.internal, sizeof(id.internal)));
         ncclConfig_t cfg = nonBlockingConfig();
         return self.call("ncclCommGrow", [&] {
           return self.api_->commGrow(nullptr, self.opts_.size, &id, self.opts_.rank, &self.comm_, &cfg);
@@ -203,33 +188,26 @@ Status NcclCommunicator::call(const char* what, const std::function<ncclResult_t
 }
 
 Status NcclCommunicator::settle(const char* what, const Deadline& dl) {
-  std::chrono::microseconds backoff(20);
-  for (;;) {
-    ncclResult_t async = ncclSuccess;
-    RC_RETURN_IF_ERROR(call("ncclCommGetAsyncError", [&] { return api_->commGetAsyncError(comm_, &async); }));
-    if (async != ncclInProgress) {
-      return mapError(what, async);
-    }
-    if (abort_.aborted()) {
-      return Status(StatusCode::kAborted, abort_.reason());
-    }
-    if (dl.passed()) {
-      return Status(StatusCode::kTimeout, std::string(what) + " did not finish before the deadline");
-    }
-    abort_.waitFor(std::chrono::duration_cast<std::chrono::milliseconds>(backoff));
-    backoff = std::min(backoff * 2, std::chrono::microseconds(2000));
-  }
+  return pollUntil(
+      [&]() -> Result<bool> {
+        ncclResult_t async = ncclSuccess;
+        RC_RETURN_IF_ERROR(call("ncclCommGetAsyncError", [&] { return api_->commGetAsyncError(comm_, &async); }));
+        if (async == ncclInProgress) {
+          return false;
+        }
+        RC_RETURN_IF_ERROR(mapError(what, async));
+        return true;
+      },
+      dl, abort_, {std::chrono::microseconds(20), std::chrono::microseconds(2000)},
+      std::string(what) + " did not finish before the deadline");
 }
 
 Status NcclCommunicator::initWithId(const std::string& key, const Deadline& dl) {
-  if (opts_.rank == 0) {
-    ncclUniqueId id{};
-    RC_RETURN_IF_ERROR(mapError("ncclGetUniqueId", api_->getUniqueId(&id)));
-    RC_RETURN_IF_ERROR(storeSet(opts_.store, key, hex(id)));
-  }
-  std::vector<std::string> uid;
-  RC_ASSIGN_OR_RETURN(uid, storeFetch(opts_.store, {key}, dl, abort_));
-  ncclUniqueId id = unhex(uid[0]);
+  ncclUniqueId id{};
+  RC_RETURN_IF_ERROR(exchangeId(
+      opts_.store, key, opts_.rank == 0,
+      [&](void* out) { return mapError("ncclGetUniqueId", api_->getUniqueId(static_cast<ncclUniqueId*>(out))); },
+      &id, sizeof(id), dl, abort_));
   ncclConfig_t cfg = nonBlockingConfig();
   return call("ncclCommInitRankConfig",
               [&] { return api_->commInitRankConfig(&comm_, opts_.size, id, opts_.rank, &cfg); });
@@ -258,32 +236,11 @@ void NcclCommunicator::start(std::function<Status(NcclCommunicator&, const Deadl
 }
 
 Status NcclCommunicator::poll() {
-  switch (state_.load()) {
-    case CommState::kInitializing:
-      return Status(StatusCode::kInProgress, "init of group '" + opts_.name + "' in progress");
-    case CommState::kReady:
-      return Status::ok();
-    default:
-      return error();
-  }
+  return pollState(state_.load(), opts_.name, [this] { return error(); });
 }
 
 Status NcclCommunicator::waitReady(const Deadline& deadline) {
-  std::chrono::microseconds backoff(100);
-  for (;;) {
-    Status st = poll();
-    if (st.code() != StatusCode::kInProgress) {
-      return st;
-    }
-    if (deadline.passed()) {
-      Status t(StatusCode::kTimeout, "init of group '" + opts_.name + "' on rank " + std::to_string(opts_.rank) +
-                                         " did not finish before its deadline; aborted");
-      abort(t.message());
-      return t;
-    }
-    abort_.waitFor(std::chrono::duration_cast<std::chrono::milliseconds>(backoff));
-    backoff = std::min(backoff * 2, std::chrono::microseconds(5000));
-  }
+  return waitUntilReady(*this, abort_, deadline);
 }
 
 void NcclCommunicator::abortNccl() {
@@ -330,25 +287,17 @@ Status NcclCommunicator::fail(const Status& st) {
 }
 
 Status NcclCommunicator::waitDone(uint64_t token, const Deadline& dl) {
-  std::chrono::microseconds backoff(5);
-  for (;;) {
-    // The error first: an op that "finished" on a communicator with a remote error has no
-    // trustworthy result.
-    ncclResult_t async = ncclSuccess;
-    RC_RETURN_IF_ERROR(call("ncclCommGetAsyncError", [&] { return api_->commGetAsyncError(comm_, &async); }));
-    RC_RETURN_IF_ERROR(mapError("the op (asynchronous error)", async));
-    if (streams_->done(token)) {
-      return Status::ok();
-    }
-    if (abort_.aborted()) {
-      return Status(StatusCode::kAborted, "communicator aborted: " + abort_.reason());
-    }
-    if (dl.passed()) {
-      return Status(StatusCode::kTimeout, "the op did not complete on the device before its deadline");
-    }
-    abort_.waitFor(std::chrono::duration_cast<std::chrono::milliseconds>(backoff));
-    backoff = std::min(backoff * 2, std::chrono::microseconds(1000));
-  }
+  return pollUntil(
+      [&]() -> Result<bool> {
+        // The error first: an op that "finished" on a communicator with a remote error has no
+        // trustworthy result.
+        ncclResult_t async = ncclSuccess;
+        RC_RETURN_IF_ERROR(call("ncclCommGetAsyncError", [&] { return api_->commGetAsyncError(comm_, &async); }));
+        RC_RETURN_IF_ERROR(mapError("the op (asynchronous error)", async));
+        return streams_->done(token);
+      },
+      dl, abort_, {std::chrono::microseconds(5), std::chrono::microseconds(1000)},
+      "the op did not complete on the device before its deadline");
 }
 
 Status NcclCommunicator::run(OpKind op, const Deadline& dl, const std::function<Status()>& launch) {
@@ -532,31 +481,14 @@ Result<std::shared_ptr<Communicator>> NcclCommunicator::reinit(int rank, int siz
 
 Result<std::shared_ptr<Communicator>> NcclCommunicator::shrink(const std::vector<int>& exclude, bool afterError,
                                                                const Deadline& dl) {
-  const int n = opts_.size;
-  std::vector<bool> out(n, false);
-  for (int r : exclude) {
-    if (r < 0 || r >= n || out[r] || r == opts_.rank) {
-      return Status(StatusCode::kInvalidArgument, "shrink: bad exclude list (rank " + std::to_string(r) +
-                                                      "): out of range, repeated, or this rank");
-    }
-    out[r] = true;
-  }
-  if (static_cast<int>(exclude.size()) >= n) {
-    return Status(StatusCode::kInvalidArgument, "shrink: excluding everyone leaves nobody");
-  }
-  int newRank = opts_.rank - static_cast<int>(std::count_if(exclude.begin(), exclude.end(),
-                                                             [&](int r) { return r < opts_.rank; }));
-  int newSize = n - static_cast<int>(exclude.size());
+  ShrinkPlan plan;
+  RC_ASSIGN_OR_RETURN(plan, planShrink(exclude, opts_.rank, opts_.size));
   std::string tag = "shrink" + std::to_string(derived_++) + "/";
   if (!api_->features().shrink || comm_ == nullptr) {
     if (afterError) {
       abort("shrunk after an error");
     }
-    std::string members;
-    for (int r = 0; r < n; ++r) {
-      members += out[r] ? "" : std::to_string(r) + ",";
-    }
-    return reinit(newRank, newSize, opts_.prefix + tag + members + "/uid", dl);
+    return reinit(plan.newRank, plan.newSize, opts_.prefix + tag + plan.survivorList() + "/uid", dl);
   }
   std::vector<int> ex(exclude.begin(), exclude.end());
   ncclComm_t child = nullptr;
@@ -569,36 +501,14 @@ Result<std::shared_ptr<Communicator>> NcclCommunicator::shrink(const std::vector
     abort("shrunk after an error (NCCL_SHRINK_ABORT)");
   }
   RC_RETURN_IF_ERROR(st);
-  return adopt(child, newRank, newSize, tag, dl);
-}
-
-Result<std::vector<int>> NcclCommunicator::agreeOnMembers(int color, int key, const std::string& tag,
-                                                         const Deadline& dl) {
-  std::vector<std::string> keys;
-  for (int r = 0; r < opts_.size; ++r) {
-    keys.push_back(opts_.prefix + tag + "ck/" + std::to_string(r));
-  }
-  RC_RETURN_IF_ERROR(storeSet(opts_.store, keys[opts_.rank], std::to_string(color) + "," + std::to_string(key)));
-  std::vector<std::string> all;
-  RC_ASSIGN_OR_RETURN(all, storeFetch(opts_.store, keys, dl, abort_));
-  std::vector<std::pair<int, int>> byKey;
-  for (int r = 0; r < opts_.size; ++r) {
-    if (color >= 0 && std::stoi(all[r]) == color) {
-      byKey.push_back({std::stoi(all[r].substr(all[r].find(',') + 1)), r});
-    }
-  }
-  std::sort(byKey.begin(), byKey.end());  // by key, then parent rank, as ncclCommSplit numbers them
-  std::vector<int> members;
-  for (const auto& kr : byKey) {
-    members.push_back(kr.second);
-  }
-  return members;
+  return adopt(child, plan.newRank, plan.newSize, tag, dl);
 }
 
 Result<std::shared_ptr<Communicator>> NcclCommunicator::split(int color, int key, const Deadline& dl) {
   std::string tag = "split" + std::to_string(derived_++) + "/";
   std::vector<int> members;
-  RC_ASSIGN_OR_RETURN(members, agreeOnMembers(color, key, tag, dl));
+  RC_ASSIGN_OR_RETURN(members, agreeOnMembers(opts_.store, opts_.prefix + tag + "ck/", opts_.rank, opts_.size, color,
+                                              key, dl, abort_));
   if (color < 0) {
     if (api_->features().split) {  // NCCL needs every parent member in the split call
       ncclComm_t none = nullptr;
@@ -637,7 +547,7 @@ Result<std::shared_ptr<Communicator>> NcclCommunicator::grow(int newSize, const 
   ncclUniqueId id{};
   if (opts_.rank == 0) {
     RC_RETURN_IF_ERROR(call("ncclCommGetUniqueId", [&] { return api_->commGetUniqueId(comm_, &id); }));
-    RC_RETURN_IF_ERROR(storeSet(store, joinKey + "uid", hex(id)));
+    RC_RETURN_IF_ERROR(storeSet(store, joinKey + "uid", hexEncode(id.internal, sizeof(id.internal))));
   }
   ncclComm_t child = nullptr;
   ncclConfig_t cfg = nonBlockingConfig();

@@ -125,8 +125,6 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
   void abortNccl();
   Result<std::shared_ptr<Communicator>> adopt(ncclComm_t child, int rank, int size, const std::string& tag,
                                               const Deadline& dl);
-  // Every parent member publishes (color, key); the members of `color`, ordered by key then rank.
-  Result<std::vector<int>> agreeOnMembers(int color, int key, const std::string& tag, const Deadline& dl);
   Result<std::shared_ptr<Communicator>> reinit(int rank, int size, const std::string& key, const Deadline& dl);
 
   std::shared_ptr<NcclApi> api_;

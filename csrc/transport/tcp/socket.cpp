@@ -143,7 +143,7 @@ Result<Socket> connectTo(const std::string& host, int port, const Deadline& dl, 
     }
     // The peer published its address after listen(), so refusals are rare and short-lived;
     // back off without spinning, waking at once on abort.
-    if (abort.aborted() || const_cast<AbortToken&>(abort).waitFor(backoff)) {
+    if (abort.aborted() || abort.waitFor(backoff)) {
       return Status(StatusCode::kAborted, "connect interrupted: " + abort.reason());
     }
     backoff = std::min(backoff * 2, std::chrono::milliseconds(50));

@@ -246,32 +246,11 @@ Result<std::shared_ptr<Communicator>> TcpCommunicator::grow(int newSize, const c
 }
 
 Status TcpCommunicator::poll() {
-  switch (state_.load()) {
-    case CommState::kInitializing:
-      return Status(StatusCode::kInProgress, "init of group '" + opts_.name + "' in progress");
-    case CommState::kReady:
-      return Status::ok();
-    default:
-      return error();
-  }
+  return pollState(state_.load(), opts_.name, [this] { return error(); });
 }
 
 Status TcpCommunicator::waitReady(const Deadline& deadline) {
-  std::chrono::microseconds backoff(200);
-  for (;;) {
-    Status st = poll();
-    if (st.code() != StatusCode::kInProgress) {
-      return st;
-    }
-    if (deadline.passed()) {
-      Status t(StatusCode::kTimeout, "init of group '" + opts_.name + "' on rank " + std::to_string(opts_.rank) +
-                                         " did not finish before its deadline; aborted");
-      abort(t.message());
-      return t;
-    }
-    abort_.waitFor(std::chrono::duration_cast<std::chrono::milliseconds>(backoff));
-    backoff = std::min(backoff * 2, std::chrono::microseconds(5000));
-  }
+  return waitUntilReady(*this, abort_, deadline);
 }
 
 void TcpCommunicator::abort(const std::string& reason) {
