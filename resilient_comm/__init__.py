@@ -5,7 +5,9 @@
 - ``resilient_tcp``: CPU tensors over resilient_comm's own TCP transport.
 - ``resilient_nccl``: CPU tensors over TCP; CUDA tensors over NCCL, loaded at run time
   (RESILIENT_COMM_NCCL_LIB, the libnccl torch loaded, or the nvidia-nccl wheel).
-- (``resilient_hccl`` will follow for Ascend NPUs.)
+- ``resilient_hccl`` (where torch_npu is installed): CPU tensors over TCP; NPU tensors over
+  HCCL, loaded at run time (RESILIENT_COMM_HCCL_LIB or libhccl.so); never run on Ascend
+  hardware yet (docs/hccl.md).
 
 Every collective runs with a deadline (the process group's timeout unless the op passes
 its own). When a peer dies, every surviving rank gets a ``torch.distributed.DistBackendError``
@@ -13,6 +15,8 @@ within milliseconds, ring neighbour or not, and the process stays alive to recov
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch  # noqa: F401  (loads libtorch before our extension)
 import torch.distributed as dist
@@ -48,7 +52,9 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-BACKENDS = ("resilient_tcp", "resilient_nccl")
+# resilient_hccl needs torch_npu (it registers the "npu" device); offered only where it is installed.
+_NPU = importlib.util.find_spec("torch_npu") is not None
+BACKENDS = ("resilient_tcp", "resilient_nccl") + (("resilient_hccl",) if _NPU else ())
 
 
 def _creator(backend_name: str):
@@ -67,7 +73,7 @@ def _creator(backend_name: str):
 
 
 def _register() -> None:
-    devices = {"resilient_tcp": ["cpu"], "resilient_nccl": ["cpu", "cuda"]}
+    devices = {"resilient_tcp": ["cpu"], "resilient_nccl": ["cpu", "cuda"], "resilient_hccl": ["cpu", "npu"]}
     for name in BACKENDS:
         if name.upper() in dist.Backend._plugins:  # re-import (e.g. importlib.reload)
             continue

@@ -33,6 +33,7 @@ def report() -> dict:
         "cpus": os.cpu_count(),
         "transports": {"tcp": {"available": True, "caps": caps}},
         "nccl": nccl,
+        "hccl": _C.probe_hccl(),
         "knobs": [(k.name, k.value, k.default) for k in knobs()],
     }
 
@@ -49,6 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         print("        " + " ".join(f"{k}={'yes' if v else 'no'}" for k, v in n["caps"].items()))
     else:
         print("  nccl  not available: " + n["error"].replace("\n", "\n        "))
+    h = r["hccl"]
+    if h["found"]:
+        print(f"  hccl  libhccl at {h['path']}")
+        print("        " + " ".join(f"{k}={'yes' if v else 'no'}" for k, v in h["caps"].items()))
+    else:
+        print("  hccl  not available: " + h["error"])
     print("knobs (RESILIENT_COMM_*):")
     for name, value, default in r["knobs"]:
         mark = "" if value == default else "   (set)"

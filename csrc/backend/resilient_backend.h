@@ -141,8 +141,11 @@ class ResilientBackend : public c10d::Backend {
                                          std::vector<at::Tensor> outputs, std::chrono::milliseconds timeout,
                                          bool mayRunInline, Body body);
   // The communicator for these tensors' device: TCP for CPU tensors; for CUDA tensors
-  // (resilient_nccl) an NCCL communicator, made on first use for that device.
+  // (resilient_nccl) an NCCL communicator, for NPU tensors (resilient_hccl) an HCCL one,
+  // made on first use for that device.
   std::shared_ptr<Communicator> commFor(const std::vector<at::Tensor>& tensors, const char* op);
+  Result<std::shared_ptr<Communicator>> makeNccl(const at::Device& dev);
+  Result<std::shared_ptr<Communicator>> makeHccl(const at::Device& dev);
   void workerLoop();
 
   // A child backend over `r`, or the error of the move as an exception.
@@ -153,8 +156,10 @@ class ResilientBackend : public c10d::Backend {
   std::chrono::milliseconds timeout_;
   std::shared_ptr<Communicator> cpu_;
   c10::intrusive_ptr<c10d::Store> store_;  // for the NCCL communicator's bootstrap
-  std::shared_ptr<Communicator> cuda_;     // guarded by mu_
-  at::Device cudaDevice_{at::kCPU};        // guarded by mu_
+  // The device communicator (NCCL for resilient_nccl's CUDA tensors, HCCL for
+  // resilient_hccl's NPU tensors), made on first use; guarded by mu_.
+  std::shared_ptr<Communicator> device_;
+  at::Device deviceOf_{at::kCPU};
 
   // A task runs `body`, or, for send/recv, contributes `p2p`: consecutive queued send/recv
   // tasks run as one group so that two ranks exchanging large messages do not deadlock.

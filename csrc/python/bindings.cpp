@@ -10,6 +10,7 @@
 #include "watchdog/watchdog.h"
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include "transport/hccl/hccl_api.h"
 #include "transport/nccl/fake_nccl.h"
 #include "transport/nccl/nccl_api.h"
 #include "transport/nccl/nccl_communicator.h"
@@ -136,6 +137,34 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("tcp_caps", [] { return capsDict(resilient_comm::tcp::TcpCommunicator::transportCaps()); });
 
+  m.def("probe_hccl", [] {
+    // The libhccl loader, for doctor and tests: what was found, or what was tried and why it failed.
+    py::dict d;
+    auto r = resilient_comm::hccl::loadHccl();
+    d["found"] = r.isOk();
+    if (!r.isOk()) {
+      d["error"] = r.status().message();
+      return d;
+    }
+    const auto& api = r.value();
+    auto f = api->features();
+    d["path"] = api->path();
+    py::dict caps;
+    caps["sub_comm"] = f.subComm;
+    caps["reduce"] = f.reduce;
+    caps["all_to_all"] = f.allToAllV;
+    caps["scatter"] = f.scatter;
+    caps["batch_send_recv"] = f.batchSendRecv;
+    caps["suspend"] = f.suspend;
+    caps["resume"] = f.resume;
+    d["caps"] = caps;
+    py::dict syms;
+    for (const char* s : resilient_comm::hccl::hcclSymbols()) {
+      syms[s] = api->hasSymbol(s);
+    }
+    d["symbols"] = syms;
+    return d;
+  });
   m.def("set_nccl_candidates", &resilient_comm::nccl::setNcclCandidates, py::arg("paths"));
   m.def(
       "nccl_unique_id",

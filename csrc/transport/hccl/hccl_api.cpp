@@ -213,6 +213,9 @@ Result<std::shared_ptr<HcclApi>> loadHccl() {
     if (h == nullptr) {
       const char* err = dlerror();
       failure = err ? err : "not loadable";
+      if (failure.rfind(path + ": ", 0) == 0) {  // dlerror names the file; so do we
+        failure = failure.substr(path.size() + 2);
+      }
     } else {
       auto api = std::make_shared<DlHcclApi>(h, loadedPath(h, path));
       std::string missing;

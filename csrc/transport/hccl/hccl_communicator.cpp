@@ -113,10 +113,8 @@ void destroyComm(HcclApi& api, HcclComm comm, bool suspend, const std::function<
   api.commDestroy(comm);
 }
 
-using Built = std::pair<HcclComm, uint64_t>;
-
 // Rank 0 makes the root info and publishes it under `key`; every rank inits with it (blocking).
-Result<Built> initWorld(const std::shared_ptr<HcclApi>& api, const StorePtr& store, const std::string& key, int rank,
+Result<BuiltComm> initWorld(const std::shared_ptr<HcclApi>& api, const StorePtr& store, const std::string& key, int rank,
                         int size, const Deadline& dl, AbortToken& abort) {
   HcclRootInfo root{};
   RC_RETURN_IF_ERROR(exchangeId(
@@ -128,7 +126,7 @@ Result<Built> initWorld(const std::shared_ptr<HcclApi>& api, const StorePtr& sto
   RC_RETURN_IF_ERROR(mapError(*api, "HcclCommInitRootInfoConfig",
                               api->commInitRootInfoConfig(static_cast<uint32_t>(size), &root,
                                                           static_cast<uint32_t>(rank), &cfg, &comm)));
-  return Built{comm, fnv1a(kFnvBasis, root.internal, sizeof(root.internal))};
+  return BuiltComm{comm, fnv1a(kFnvBasis, root.internal, sizeof(root.internal))};
 }
 
 }  // namespace
@@ -152,7 +150,7 @@ struct CommHandle {
   const std::function<void()> bindDevice;
   const std::string what;  // "group 'g' rank r", for messages
 
-  std::timed_mutex mu;  // serializes HCCL calls on comm; guards comm and the build fields
+  std::mutex mu;  // serializes HCCL calls on comm; guards comm and the build fields
   HcclComm comm = nullptr;
   bool building = false;  // a build thread has not returned yet
   bool built = false;     // it returned, with buildStatus
@@ -194,7 +192,7 @@ Result<std::shared_ptr<HcclCommunicator>> HcclCommunicator::create(std::shared_p
   std::shared_ptr<HcclCommunicator> c;
   RC_ASSIGN_OR_RETURN(c, make(std::move(api), std::move(opts), initDeadline));
   c->startBuild([api = c->api_, store = c->opts_.store, prefix = c->opts_.prefix, rank = c->opts_.rank,
-                 size = c->opts_.size, abort = c->abort_](const Deadline& dl) -> Result<Built> {
+                 size = c->opts_.size, abort = c->abort_](const Deadline& dl) -> Result<BuiltComm> {
     int64_t incarnation = 0;
     RC_ASSIGN_OR_RETURN(incarnation, storeAdd(store, prefix + "incarnation/" + std::to_string(rank), 1));
     return initWorld(api, store, prefix + "e" + std::to_string(incarnation) + "/uid", rank, size, dl, *abort);
@@ -213,6 +211,7 @@ Result<std::shared_ptr<HcclCommunicator>> HcclCommunicator::join(std::shared_ptr
 HcclCommunicator::~HcclCommunicator() {
   if (state_.load() == CommState::kInitializing) {
     own_->released = true;  // an init still running: its thread destroys what it returns
+    abort_->abort("communicator of group '" + opts_.name + "' destroyed during its init");
   }
 }
 
@@ -225,7 +224,7 @@ HcclCommunicator::Plan HcclCommunicator::rootInfoPlan(const std::string& key, in
 
 void HcclCommunicator::startBuild(Plan plan) {
   {
-    std::lock_guard<std::timed_mutex> lock(own_->mu);
+    std::lock_guard<std::mutex> lock(own_->mu);
     own_->building = true;
   }
   // [Note: HCCL init runs on an abandoned-able thread]: only shared state goes in.
@@ -233,22 +232,22 @@ void HcclCommunicator::startBuild(Plan plan) {
     if (h->bindDevice) {
       h->bindDevice();
     }
-    Result<Built> r = plan(dl);
-    std::lock_guard<std::timed_mutex> lock(h->mu);
+    Result<BuiltComm> r = plan(dl);
+    std::lock_guard<std::mutex> lock(h->mu);
     h->building = false;
     h->built = true;
     h->buildStatus = r.status();
     if (!r.isOk()) {
       return;
     }
-    Built b = r.take();
+    BuiltComm b = r.take();
     if (h->released) {
       RC_LOG(kWarning, "an abandoned HCCL init of " << h->what << " returned; destroying what it built");
-      destroyComm(*h->api, b.first, false, nullptr);  // the device is bound on this thread already
+      destroyComm(*h->api, b.comm, false, nullptr);  // the device is bound on this thread already
       return;
     }
-    h->comm = b.first;
-    h->worldId = b.second;
+    h->comm = b.comm;
+    h->worldId = b.worldId;
     h->usable = true;
   }).detach();
 }
@@ -283,7 +282,7 @@ Status HcclCommunicator::poll() {
     bool built = false;
     Status st;
     {
-      std::lock_guard<std::timed_mutex> lock(own_->mu);  // held only briefly while initializing
+      std::lock_guard<std::mutex> lock(own_->mu);  // held only briefly while initializing
       built = own_->built;
       st = own_->buildStatus;
     }
@@ -319,7 +318,7 @@ void HcclCommunicator::release() {
   own_->usable = false;
   Reaper::run(
       [h = own_] {
-        std::lock_guard<std::timed_mutex> lock(h->mu);
+        std::lock_guard<std::mutex> lock(h->mu);
         if (h->building || h->comm == nullptr) {
           return;  // a build still running destroys what it returns
         }
@@ -361,9 +360,9 @@ Status HcclCommunicator::fail(const Status& st) {
 }
 
 Status HcclCommunicator::call(const char* what, const Deadline& dl, const std::function<HcclResult(HcclComm)>& fn) {
-  std::unique_lock<std::timed_mutex> lock(own_->mu, std::defer_lock);
-  RC_RETURN_IF_ERROR(pollUntil([&]() -> Result<bool> { return lock.try_lock_for(std::chrono::milliseconds(1)); },
-                               dl, *abort_, {std::chrono::microseconds(0), std::chrono::microseconds(0)},
+  std::unique_lock<std::mutex> lock(own_->mu, std::defer_lock);
+  RC_RETURN_IF_ERROR(pollUntil([&]() -> Result<bool> { return lock.try_lock(); }, dl, *abort_,
+                               {std::chrono::microseconds(20), std::chrono::microseconds(1000)},
                                std::string(what) + ": the communicator stayed busy until the deadline"));
   if (abort_->aborted() || own_->comm == nullptr) {  // stop issuing, the world included
     return Status(StatusCode::kAborted, "communicator of group '" + opts_.name + "' was aborted");
@@ -535,6 +534,9 @@ Status HcclCommunicator::sendRecv(const std::vector<P2POp>& ops, const Deadline&
                                                       std::to_string(opts_.size));
     }
   }
+  if (ops.empty()) {
+    return Status::ok();
+  }
   if (ops.size() > 1 && !api_->features().batchSendRecv) {
     return Status(StatusCode::kNotSupported, "send/recv: a group of " + std::to_string(ops.size()) +
                                                  " ops needs HcclBatchSendRecv, which " + api_->path() + " lacks");
@@ -580,8 +582,8 @@ Result<std::shared_ptr<Communicator>> HcclCommunicator::derive(int newRank, std:
   c->worldRanks_ = worldRanks;
   const uint64_t id = subCommId(world_->worldId, c->opts_.prefix);
   c->startBuild([api = api_, world = world_, ids = std::move(worldRanks), id,
-                 rank = static_cast<uint32_t>(newRank)](const Deadline&) mutable -> Result<Built> {
-    std::lock_guard<std::timed_mutex> lock(world->mu);  // serialized with the world's own calls
+                 rank = static_cast<uint32_t>(newRank)](const Deadline&) mutable -> Result<BuiltComm> {
+    std::lock_guard<std::mutex> lock(world->mu);  // serialized with the world's own calls
     if (world->comm == nullptr) {
       return Status(StatusCode::kAborted, "the world communicator of " + world->what + " is gone");
     }
@@ -591,7 +593,7 @@ Result<std::shared_ptr<Communicator>> HcclCommunicator::derive(int newRank, std:
     RC_RETURN_IF_ERROR(mapError(*api, "HcclCreateSubCommConfig",
                                 api->createSubCommConfig(&w, static_cast<uint32_t>(ids.size()), ids.data(), id, rank,
                                                          &cfg, &sub)));
-    return Built{sub, 0};
+    return BuiltComm{sub, 0};
   });
   return std::shared_ptr<Communicator>(c);
 }

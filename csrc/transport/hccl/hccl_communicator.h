@@ -68,6 +68,12 @@ struct HcclOptions {
 
 struct CommHandle;  // one HcclComm, shared with the threads that may outlive its communicator
 
+// What a build thread produces: the HcclComm and, for a world, the hash of its root info.
+struct BuiltComm {
+  HcclComm comm = nullptr;
+  uint64_t worldId = 0;
+};
+
 class HcclCommunicator : public Communicator {
  public:
   static Result<std::shared_ptr<HcclCommunicator>> create(std::shared_ptr<HcclApi> api, HcclOptions opts,
@@ -134,12 +140,7 @@ class HcclCommunicator : public Communicator {
   static Result<std::shared_ptr<HcclCommunicator>> make(std::shared_ptr<HcclApi> api, HcclOptions opts,
                                                         const Deadline& initDeadline);
 
-  // What a build thread produces: the HcclComm, and for a world the hash of its root info.
-  struct Built {
-    HcclComm comm = nullptr;
-    uint64_t worldId = 0;
-  };
-  using Plan = std::function<Result<Built>(const Deadline&)>;
+  using Plan = std::function<Result<BuiltComm>(const Deadline&)>;
   // Runs `plan` on a detached build thread that holds only shared state (see the Note above).
   void startBuild(Plan plan);
   // A fresh world of `size` ranks through the root info published under `key`.
@@ -147,7 +148,9 @@ class HcclCommunicator : public Communicator {
   // A communicator of the world ranks `worldRanks` (this rank is `newRank` of them), from the world.
   Result<std::shared_ptr<Communicator>> derive(int newRank, std::vector<uint32_t> worldRanks, const std::string& tag,
                                                const Deadline& dl);
-  Result<std::shared_ptr<Communicator>> reinit(int newRank, int newSize, StorePtr store, const std::string& key,
+  // A fresh world through `store`: the child's key prefix is `prefix`, its root info goes under
+  // prefix + "uid".
+  Result<std::shared_ptr<Communicator>> reinit(int newRank, int newSize, StorePtr store, const std::string& prefix,
                                                const Deadline& dl);
   // True when shrink and split can use HcclCreateSubCommConfig.
   bool canDerive() const;

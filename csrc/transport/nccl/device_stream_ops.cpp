@@ -20,6 +20,10 @@ class DeviceStreamOps : public StreamOps {
         impl_(device.type()),
         stream_(impl_.getStreamFromGlobalPool(device, /*isHighPriority=*/false)) {}
 
+  void makeCurrent() override {
+    impl_.setDevice(device_);
+  }
+
   void* nativeStream() override {
     return stream_.native_handle();
   }

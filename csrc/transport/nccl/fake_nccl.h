@@ -92,6 +92,7 @@ class FakeNccl : public NcclApi {
 class FakeStreamOps : public StreamOps {
  public:
   explicit FakeStreamOps(const FakeScript& script) : hang_(script.opsHang) {}
+  void makeCurrent() override {}
   void* nativeStream() override {
     return nullptr;
   }

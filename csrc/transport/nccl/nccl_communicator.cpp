@@ -216,6 +216,7 @@ Status NcclCommunicator::initWithId(const std::string& key, const Deadline& dl) 
 void NcclCommunicator::start(std::function<Status(NcclCommunicator&, const Deadline&)> plan, const Deadline& dl) {
   std::shared_ptr<NcclCommunicator> self = shared_from_this();
   std::thread([self, plan = std::move(plan), dl] {
+    self->streams_->makeCurrent();  // NCCL binds a communicator to the calling thread's device
     Status st = plan(*self, dl);
     if (st.isOk()) {
       st = self->settle("communicator init", dl);
@@ -310,6 +311,7 @@ Status NcclCommunicator::run(OpKind op, const Deadline& dl, const std::function<
   if (s != CommState::kReady) {
     return error();
   }
+  streams_->makeCurrent();
   streams_->followCaller();
   Status st = launch();
   if (st.isOk()) {
@@ -455,27 +457,31 @@ Status NcclCommunicator::sendRecv(const std::vector<P2POp>& ops, const Deadline&
 }
 
 Result<std::shared_ptr<Communicator>> NcclCommunicator::adopt(ncclComm_t child, int rank, int size,
-                                                              const std::string& tag, const Deadline& dl) {
+                                                              const std::string& prefix, const Deadline& dl) {
   if (child == nullptr) {
     return std::shared_ptr<Communicator>();
   }
   NcclOptions o = opts_;
   o.rank = rank;
   o.size = size;
-  o.prefix = opts_.prefix + tag;
+  o.prefix = prefix;
   std::shared_ptr<NcclCommunicator> c(new NcclCommunicator(api_, streams_, std::move(o)));
   c->comm_ = child;
   c->start([](NcclCommunicator&, const Deadline&) { return Status::ok(); }, dl);
   return std::shared_ptr<Communicator>(c);
 }
 
-Result<std::shared_ptr<Communicator>> NcclCommunicator::reinit(int rank, int size, const std::string& key,
-                                                               const Deadline& dl) {
+Result<std::shared_ptr<Communicator>> NcclCommunicator::reinit(int rank, int size,
+                                                               const c10::intrusive_ptr<c10d::Store>& store,
+                                                               const std::string& prefix, const Deadline& dl) {
   NcclOptions o = opts_;
   o.rank = rank;
   o.size = size;
+  o.store = store;
+  o.prefix = prefix;  // the child's own: its later moves cannot meet the parent's keys
   std::shared_ptr<NcclCommunicator> c(new NcclCommunicator(api_, streams_, std::move(o)));
-  c->start([key](NcclCommunicator& self, const Deadline& d) { return self.initWithId(key, d); }, dl);
+  c->start([](NcclCommunicator& self, const Deadline& d) { return self.initWithId(self.opts_.prefix + "uid", d); },
+           dl);
   return std::shared_ptr<Communicator>(c);
 }
 
@@ -488,7 +494,7 @@ Result<std::shared_ptr<Communicator>> NcclCommunicator::shrink(const std::vector
     if (afterError) {
       abort("shrunk after an error");
     }
-    return reinit(plan.newRank, plan.newSize, opts_.prefix + tag + plan.survivorList() + "/uid", dl);
+    return reinit(plan.newRank, plan.newSize, opts_.store, opts_.prefix + tag + plan.survivorList() + "/", dl);
   }
   std::vector<int> ex(exclude.begin(), exclude.end());
   ncclComm_t child = nullptr;
@@ -501,7 +507,7 @@ Result<std::shared_ptr<Communicator>> NcclCommunicator::shrink(const std::vector
     abort("shrunk after an error (NCCL_SHRINK_ABORT)");
   }
   RC_RETURN_IF_ERROR(st);
-  return adopt(child, plan.newRank, plan.newSize, tag, dl);
+  return adopt(child, plan.newRank, plan.newSize, opts_.prefix + tag, dl);
 }
 
 Result<std::shared_ptr<Communicator>> NcclCommunicator::split(int color, int key, const Deadline& dl) {
@@ -521,12 +527,12 @@ Result<std::shared_ptr<Communicator>> NcclCommunicator::split(int color, int key
   int newRank = static_cast<int>(std::find(members.begin(), members.end(), opts_.rank) - members.begin());
   int newSize = static_cast<int>(members.size());
   if (!api_->features().split) {
-    return reinit(newRank, newSize, opts_.prefix + tag + std::to_string(color) + "/uid", dl);
+    return reinit(newRank, newSize, opts_.store, opts_.prefix + tag + std::to_string(color) + "/", dl);
   }
   ncclComm_t child = nullptr;
   ncclConfig_t cfg = nonBlockingConfig();
   RC_RETURN_IF_ERROR(call("ncclCommSplit", [&] { return api_->commSplit(comm_, color, key, &child, &cfg); }));
-  return adopt(child, newRank, newSize, tag, dl);
+  return adopt(child, newRank, newSize, opts_.prefix + tag, dl);
 }
 
 Result<std::shared_ptr<Communicator>> NcclCommunicator::grow(int newSize, const c10::intrusive_ptr<c10d::Store>& store,
@@ -536,13 +542,7 @@ Result<std::shared_ptr<Communicator>> NcclCommunicator::grow(int newSize, const 
   }
   ++derived_;
   if (!api_->features().grow) {
-    NcclOptions o = opts_;
-    o.store = store;
-    o.size = newSize;
-    std::shared_ptr<NcclCommunicator> c(new NcclCommunicator(api_, streams_, std::move(o)));
-    c->start([joinKey](NcclCommunicator& self, const Deadline& d) { return self.initWithId(joinKey + "uid", d); },
-             dl);
-    return std::shared_ptr<Communicator>(c);
+    return reinit(opts_.rank, newSize, store, joinKey, dl);  // the joiners init under joinKey too
   }
   ncclUniqueId id{};
   if (opts_.rank == 0) {
@@ -554,7 +554,11 @@ Result<std::shared_ptr<Communicator>> NcclCommunicator::grow(int newSize, const 
   RC_RETURN_IF_ERROR(call("ncclCommGrow", [&] {
     return api_->commGrow(comm_, newSize, opts_.rank == 0 ? &id : nullptr, -1, &child, &cfg);
   }));
-  return adopt(child, opts_.rank, newSize, "grow/", dl);
+  auto grown = adopt(child, opts_.rank, newSize, joinKey, dl);
+  if (grown.isOk() && grown.value()) {
+    std::static_pointer_cast<NcclCommunicator>(grown.value())->opts_.store = store;
+  }
+  return grown;
 }
 
 }  // namespace resilient_comm::nccl

@@ -123,9 +123,13 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
   Status waitDone(uint64_t token, const Deadline& dl);
   Status fail(const Status& st);
   void abortNccl();
-  Result<std::shared_ptr<Communicator>> adopt(ncclComm_t child, int rank, int size, const std::string& tag,
+  // A child around a communicator NCCL made (split, shrink, grow); `prefix` is its own store
+  // key prefix.
+  Result<std::shared_ptr<Communicator>> adopt(ncclComm_t child, int rank, int size, const std::string& prefix,
                                               const Deadline& dl);
-  Result<std::shared_ptr<Communicator>> reinit(int rank, int size, const std::string& key, const Deadline& dl);
+  // A child by fresh init with a unique id under `prefix` of `store` (where NCCL lacks the move).
+  Result<std::shared_ptr<Communicator>> reinit(int rank, int size, const c10::intrusive_ptr<c10d::Store>& store,
+                                               const std::string& prefix, const Deadline& dl);
 
   std::shared_ptr<NcclApi> api_;
   std::shared_ptr<StreamOps> streams_;

@@ -18,6 +18,8 @@ namespace resilient_comm::nccl {
 class StreamOps {
  public:
   virtual ~StreamOps() = default;
+  // Makes this device current on the calling thread (vendor init binds to it).
+  virtual void makeCurrent() = 0;
   // The stream handle the vendor library enqueues on (cudaStream_t).
   virtual void* nativeStream() = 0;
   // Orders the communicator's stream after the caller's current stream (inputs are ready).

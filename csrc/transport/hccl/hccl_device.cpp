@@ -1,0 +1,54 @@
+// createHcclCommunicator: where the HCCL transport meets c10's device API (the "npu" device that
+// torch_npu registers), so that hccl_communicator.cpp stays free of it and runs on any torch.
+#include <c10/core/Device.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "common/check.h"
+#include "common/logging.h"
+#include "transport/hccl/hccl_communicator.h"
+
+namespace resilient_comm::hccl {
+
+Result<std::shared_ptr<Communicator>> createHcclCommunicator(const StorePtr& store, const std::string& name, int rank,
+                                                             int size, const Deadline& initDeadline, int deviceIndex) {
+  std::shared_ptr<HcclApi> api;
+  RC_ASSIGN_OR_RETURN(api, loadHccl());
+  c10::Device device(c10::DeviceType::CPU);
+  try {
+    device = c10::Device(c10::Device("npu").type(), static_cast<c10::DeviceIndex>(deviceIndex));
+  } catch (const std::exception& e) {
+    return Status(StatusCode::kNotSupported,
+                  std::string("no \"npu\" device in this process (import torch_npu before resilient_comm): ") +
+                      e.what());
+  }
+  HcclOptions o;
+  o.name = name;
+  o.store = store;
+  o.prefix = "resilient_comm_hccl/" + name + "/";
+  o.rank = rank;
+  o.size = size;
+  o.makeStreams = [deviceIndex]() -> Result<std::shared_ptr<StreamOps>> {
+    std::shared_ptr<StreamOps> streams;
+    RC_ASSIGN_OR_RETURN(streams, nccl::makeDeviceStreamOps("npu", deviceIndex));
+    try {
+      streams->nativeStream();  // HCCL needs the aclrtStream behind c10's stream
+    } catch (const std::exception& e) {
+      return Status(StatusCode::kNotSupported,
+                    std::string("this torch_npu gives no native handle for NPU streams: ") + e.what());
+    }
+    return streams;
+  };
+  o.bindDevice = [device] {
+    try {
+      c10::impl::VirtualGuardImpl(device.type()).setDevice(device);
+    } catch (const std::exception& e) {
+      RC_LOG(kError, "could not make " << device.str() << " current on this thread: " << e.what());
+    }
+  };
+  std::shared_ptr<HcclCommunicator> comm;
+  RC_ASSIGN_OR_RETURN(comm, HcclCommunicator::create(std::move(api), std::move(o), initDeadline));
+  return std::shared_ptr<Communicator>(std::move(comm));
+}
+
+}  // namespace resilient_comm::hccl
