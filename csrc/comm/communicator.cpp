@@ -32,9 +32,9 @@ Status pollState(CommState state, const std::string& name, const std::function<S
   }
 }
 
-Status waitUntilReady(Communicator& comm, AbortToken& token, const Deadline& deadline) {
-  std::chrono::microseconds backoff(100);
+Status waitUntilReady(Communicator& comm, const StateSignal& signal, const Deadline& deadline) {
   for (;;) {
+    const uint64_t seen = signal.generation();
     Status st = comm.poll();
     if (st.code() != StatusCode::kInProgress) {
       return st;
@@ -45,8 +45,9 @@ Status waitUntilReady(Communicator& comm, AbortToken& token, const Deadline& dea
       comm.abort(t.message());
       return t;
     }
-    token.waitFor(backoff);
-    backoff = std::min(backoff * 2, std::chrono::microseconds(5000));
+    // Woken by the state change; the cap only bounds how late the deadline is noticed.
+    signal.waitChange(seen, std::min<std::chrono::microseconds>(
+                                std::chrono::microseconds(deadline.remainingMs(50) * 1000), std::chrono::milliseconds(50)));
   }
 }
 

@@ -130,8 +130,9 @@ class Communicator {
 };
 
 // Shared by the transports: poll()'s answer for a state (kInProgress while Initializing), and a
-// waitReady() that polls with back-off until Ready, the deadline (then aborts), or an abort.
+// waitReady() that sleeps until `signal` reports a state change (the transport notifies it on
+// every transition), the deadline (then it aborts), or an abort.
 Status pollState(CommState state, const std::string& name, const std::function<Status()>& error);
-Status waitUntilReady(Communicator& comm, AbortToken& token, const Deadline& deadline);
+Status waitUntilReady(Communicator& comm, const StateSignal& signal, const Deadline& deadline);
 
 }  // namespace resilient_comm

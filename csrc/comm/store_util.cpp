@@ -60,7 +60,7 @@ Result<std::vector<std::string>> storeFetch(const StorePtr& store, const std::ve
                                               " (is every rank taking part?)");
     }
     abort.waitFor(backoff);
-    backoff = std::min(backoff * 2, std::chrono::microseconds(10000));
+    backoff = std::min(backoff * 2, std::chrono::microseconds(5000));
   }
   std::vector<std::vector<uint8_t>> values;
   RC_RETURN_IF_ERROR(guarded("multiGet", [&] { values = store->multiGet(keys); }));

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <condition_variable>
 #include <mutex>
 #include <string>
@@ -46,6 +47,32 @@ class AbortToken {
   mutable std::condition_variable cv_;
   std::atomic<bool> aborted_{false};
   std::string reason_;
+};
+
+// StateSignal: wakes threads waiting for a communicator's state to change (waitReady), instead
+// of having them poll. A waiter reads generation(), checks the state, then waitChange()s; a
+// change made in between is not missed.
+class StateSignal {
+ public:
+  uint64_t generation() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return gen_;
+  }
+  void notify() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++gen_;
+    cv_.notify_all();
+  }
+  // Returns when the generation moved past `seen`, or after `d`.
+  void waitChange(uint64_t seen, std::chrono::microseconds d) const {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, d, [&] { return gen_ != seen; });
+  }
+
+ private:
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  uint64_t gen_ = 0;
 };
 
 }  // namespace resilient_comm

@@ -274,6 +274,7 @@ bool HcclCommunicator::leaveInit(CommState to, const Status& st) {
   }
   error_ = st;
   state_.store(to);
+  stateSignal_.notify();
   return true;
 }
 
@@ -304,7 +305,7 @@ Status HcclCommunicator::poll() {
 }
 
 Status HcclCommunicator::waitReady(const Deadline& deadline) {
-  return waitUntilReady(*this, *abort_, deadline);
+  return waitUntilReady(*this, stateSignal_, deadline);
 }
 
 void HcclCommunicator::release() {
@@ -335,6 +336,7 @@ void HcclCommunicator::abort(const std::string& reason) {
     if (s == CommState::kInitializing || s == CommState::kReady) {
       error_ = Status(StatusCode::kAborted, "communicator of group '" + opts_.name + "' was aborted: " + reason);
       state_.store(CommState::kAborted);
+      stateSignal_.notify();
     }
   }
   abort_->abort(reason);
@@ -351,6 +353,7 @@ Status HcclCommunicator::fail(const Status& st) {
     if (state_.load() == CommState::kReady) {
       error_ = st;
       state_.store(CommState::kError);
+      stateSignal_.notify();
       first = true;
     }
   }

@@ -174,6 +174,7 @@ class HcclCommunicator : public Communicator {
   Deadline initDeadline_;
   std::shared_ptr<AbortToken> abort_ = std::make_shared<AbortToken>();  // shared with the build thread
   std::atomic<CommState> state_{CommState::kInitializing};
+  StateSignal stateSignal_;  // notified after every change of state_
   mutable std::mutex mu_;  // guards error_ and state transitions
   Status error_;
   std::shared_ptr<CommHandle> own_;    // this communicator's HcclComm

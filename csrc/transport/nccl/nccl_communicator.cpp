@@ -227,10 +227,12 @@ void NcclCommunicator::start(std::function<Status(NcclCommunicator&, const Deadl
     }
     if (st.isOk()) {
       self->state_.store(CommState::kReady);
+      self->stateSignal_.notify();
       return;
     }
     self->error_ = st.withContext("building group '" + self->opts_.name + "' on rank " + std::to_string(self->opts_.rank));
     self->state_.store(CommState::kError);
+    self->stateSignal_.notify();
     self->abort_.abort(st.message());
     self->abortNccl();
   }).detach();
@@ -241,7 +243,7 @@ Status NcclCommunicator::poll() {
 }
 
 Status NcclCommunicator::waitReady(const Deadline& deadline) {
-  return waitUntilReady(*this, abort_, deadline);
+  return waitUntilReady(*this, stateSignal_, deadline);
 }
 
 void NcclCommunicator::abortNccl() {
@@ -263,6 +265,7 @@ void NcclCommunicator::abort(const std::string& reason) {
     if (s == CommState::kInitializing || s == CommState::kReady) {
       error_ = Status(StatusCode::kAborted, "communicator of group '" + opts_.name + "' was aborted: " + reason);
       state_.store(CommState::kAborted);
+      stateSignal_.notify();
     }
   }
   abort_.abort(reason);
@@ -279,6 +282,7 @@ Status NcclCommunicator::fail(const Status& st) {
     if (state_.load() == CommState::kReady) {
       error_ = st;
       state_.store(CommState::kError);
+      stateSignal_.notify();
       first = true;
     }
   }

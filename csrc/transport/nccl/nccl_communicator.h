@@ -136,6 +136,7 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
   NcclOptions opts_;
   AbortToken abort_;
   std::atomic<CommState> state_{CommState::kInitializing};
+  StateSignal stateSignal_;  // notified after every change of state_
   mutable std::mutex mu_;  // guards error_
   Status error_;
   // The NCCL handle, shared with reaper threads that may outlive this object.

@@ -75,11 +75,13 @@ void TcpCommunicator::start(std::function<Status(TcpCommunicator&, const Deadlin
     }
     if (st.isOk()) {
       self->state_.store(CommState::kReady);
+      self->stateSignal_.notify();
       return;
     }
     self->error_ =
         st.withContext("building group '" + self->opts_.name + "' on rank " + std::to_string(self->opts_.rank));
     self->state_.store(CommState::kError);
+    self->stateSignal_.notify();
     for (Peer& p : self->peers_) {
       p.sock.shutdownBoth();
     }
@@ -250,7 +252,7 @@ Status TcpCommunicator::poll() {
 }
 
 Status TcpCommunicator::waitReady(const Deadline& deadline) {
-  return waitUntilReady(*this, abort_, deadline);
+  return waitUntilReady(*this, stateSignal_, deadline);
 }
 
 void TcpCommunicator::abort(const std::string& reason) {
@@ -260,6 +262,7 @@ void TcpCommunicator::abort(const std::string& reason) {
     if (s == CommState::kInitializing || s == CommState::kReady) {
       error_ = Status(StatusCode::kAborted, "communicator of group '" + opts_.name + "' was aborted: " + reason);
       state_.store(CommState::kAborted);
+      stateSignal_.notify();
     }
   }
   abort_.abort(reason);
@@ -283,6 +286,7 @@ Status TcpCommunicator::fail(const Status& st, const std::string& where) {
     if (state_.load() == CommState::kReady) {
       error_ = st.withContext(where);
       state_.store(CommState::kError);
+      stateSignal_.notify();
       first = true;
     }
   }

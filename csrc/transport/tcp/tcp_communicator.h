@@ -133,6 +133,7 @@ class TcpCommunicator : public Communicator, public std::enable_shared_from_this
   CostModel model_;
   AbortToken abort_;
   std::atomic<CommState> state_{CommState::kInitializing};
+  StateSignal stateSignal_;  // notified after every change of state_
   mutable std::mutex mu_;  // guards error_, initError_, peers_ (while init adds sockets)
   Status error_;
   std::vector<Peer> peers_;
