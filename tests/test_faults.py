@@ -90,14 +90,16 @@ def test_sigkill_mid_allreduce_every_survivor_errors_fast(world_size: int, victi
         assert f"rank {victim}" in text, text
 
 
-def _mismatched_sizes(ctx: WorkerContext) -> str:
+def _mismatched_sizes(ctx: WorkerContext) -> tuple[str, float]:
     ctx.init("resilient_tcp", timeout_s=OP_TIMEOUT_S)
+    dist.barrier()  # everyone is up: time only the mismatched op
     t = torch.ones(1000 if ctx.rank == 1 else 1024)
+    start = time.monotonic()
     try:
         dist.all_reduce(t)
-        return "no error"
+        return "no error", time.monotonic() - start
     except dist.DistBackendError as e:
-        return str(e)
+        return str(e), time.monotonic() - start
     finally:
         dist.destroy_process_group()
 
@@ -105,15 +107,15 @@ def _mismatched_sizes(ctx: WorkerContext) -> str:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_mismatched_sizes_fail_clearly_on_every_rank(world_size: int) -> None:
-    start = time.monotonic()
-    with start_workers(_mismatched_sizes, world_size, timeout_s=45) as w:
+    with start_workers(_mismatched_sizes, world_size, timeout_s=60) as w:
         results = w.join()
     for r in results:
         assert r.ok, r.error
-        assert "Mismatch" in r.value, f"rank {r.rank}: {r.value}"
-        assert "every rank must call the same collectives" in r.value, r.value
-    # Well inside the 30 s op timeout, including the workers' start-up.
-    assert time.monotonic() - start < OP_TIMEOUT_S / 2
+        text, elapsed = r.value
+        assert "Mismatch" in text, f"rank {r.rank}: {text}"
+        assert "every rank must call the same collectives" in text, text
+        # Far inside the 30 s op timeout (the error travels in milliseconds; slack for load).
+        assert elapsed < 5.0, f"rank {r.rank} took {elapsed:.2f} s"
 
 
 def _missing_peer(ctx: WorkerContext) -> str:
@@ -134,5 +136,7 @@ def test_rank_that_never_joins_fails_init_at_the_deadline() -> None:
         res = w.join(timeout_s=15)[0]
     assert res.ok, res.error
     elapsed, text = res.value.split("|", 1)
-    assert "Timeout" in text and "building group" in text and "addr/1" in text, text
+    # The op's wait and the init thread share the deadline; whichever notices first reports it.
+    assert text.startswith("Timeout:"), text
+    assert "addr/1" in text or "did not finish before its deadline" in text, text
     assert float(elapsed) < 2.5, f"init deadline of 2 s took {elapsed} s"
