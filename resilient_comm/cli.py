@@ -1,4 +1,4 @@
-"""The `resilient-comm` command: demo, bench {collectives,overhead,primitives}, sim, doctor."""
+"""The `resilient-comm` command: demo, bench {collectives,overhead,primitives,recovery}, sim, doctor."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ def _bench(argv: list[str]) -> int:
         "collectives": "resilient_comm.bench.collectives",
         "overhead": "resilient_comm.bench.overhead",
         "primitives": "resilient_comm.bench.primitives",
+        "recovery": "resilient_comm.bench.recovery",
     }
     if not argv or argv[0] not in suites:
         print(f"usage: resilient-comm bench {{{','.join(suites)}}} [options]", file=sys.stderr)

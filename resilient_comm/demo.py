@@ -1,107 +1,112 @@
-"""`resilient-comm demo`: N local workers all-reduce in a loop; one is SIGKILLed.
+"""`resilient-comm demo`: kill a training worker, watch the survivors carry on in-process.
 
-Shows what a survivor sees: a clear error within milliseconds of the kill (not a hang until
-a watchdog fires), while its process stays alive; the survivors then build a new group
-among themselves and carry on. The elastic controller (agreement, state restore, resume at
-a committed step) builds on exactly these moves.
+N workers (default 4) train a small model on CPU under ``resilient-run`` with the elastic
+controller. One SIGKILLs itself at the start of a chosen step. The survivors detect the death
+(op error, the launcher's report), agree on a new membership, shrink their groups, restore
+the last committed step and go on, in the same processes; the recovery timeline of every
+survivor is printed. ``--compare-torchrun`` runs the same experiment (same model, data,
+steps and checkpoint cadence) as a torchrun elastic restart from checkpoint, with torch's
+defaults and with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, and prints them side by side.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import signal
+import logging
+import sys
+import tempfile
 import time
 
-import torch
 import torch.distributed as dist
 
-from resilient_comm.testing import WorkerContext, start_workers
+from resilient_comm.bench.recovery import FIX, Run, Settings, run_ours, run_torchrun
+
+PHASES = ("detected", "aborted", "agreed", "rebuilt", "restored", "first_commit")
 
 
-def _worker(ctx: WorkerContext, victim: int, steps_before_kill: int, steps_after: int, numel: int) -> dict:
-    ctx.init("resilient_tcp")
-    store = ctx.store()
-    t = torch.ones(numel)
-    step = 0
-    try:
-        while True:
-            dist.all_reduce(t)
-            t.fill_(1.0)
-            step += 1
-            if step == steps_before_kill:
-                store.set(f"demo/reached/{ctx.rank}", "1")
-    except dist.DistBackendError as e:
-        failed_at = time.time()
-        error = str(e).splitlines()[0]
-    dist.destroy_process_group()
+def _timeline_table(run: Run, kill_t: float) -> list[str]:
+    lines = [f"{'rank':>4}  " + "  ".join(f"{p:>12}" for p in PHASES) + "   evidence (ms after the kill)"]
+    for tl in sorted(run.timelines, key=lambda t: t["rank"]):
+        cells = "  ".join(f"{1e3 * (tl['t'][p] - kill_t):>9.1f} ms" for p in PHASES)
+        via = ", ".join(f"{k.replace('_', ' ')} {1e3 * (v - kill_t):.1f}" for k, v in sorted(tl["via"].items(),
+                                                                                         key=lambda kv: kv[1]))
+        lines.append(f"{tl['rank']:>4}  {cells}   {via}")
+    return lines
 
-    survivors = [r for r in range(ctx.world_size) if r != victim]
-    rebuilt_start = time.time()
-    dist.init_process_group(
-        "resilient_tcp",
-        store=dist.PrefixStore("demo/gen1/", store),
-        rank=survivors.index(ctx.rank),
-        world_size=len(survivors),
-        timeout=datetime.timedelta(seconds=ctx.timeout_s),
-    )
-    x = torch.ones(numel)
-    for _ in range(steps_after):
-        dist.all_reduce(x)
-        x.fill_(1.0)
-    done_at = time.time()
-    dist.destroy_process_group()
-    return {
-        "steps": step,
-        "failed_at": failed_at,
-        "error": error,
-        "rebuilt_s": done_at - rebuilt_start,
-        "first_step_at": done_at,
-    }
+
+def _outcome(r: Run) -> str:
+    if r.recovered:
+        return "recovered in-process" if r.system == "ours" else "all restarted, resumed"
+    return "hung" if "hung" in r.note else "failed"
+
+
+def _side_by_side(runs: list[Run], nproc: int) -> list[str]:
+    heads = {"ours": "ours (resilient-run)", "torchrun-default": "torchrun (defaults)",
+             "torchrun": "torchrun (+" + next(iter(FIX)) + "=1)"}
+
+    def row(name: str, cells: list[str]) -> str:
+        return f"{name:<32}" + "".join(f"{c:<26}" for c in cells).rstrip()
+
+    def secs(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f} s"
+
+    lines = [row("", [heads[r.system].split(" (")[0] for r in runs]),
+             row("", ["(" + heads[r.system].split(" (")[1] for r in runs]),
+             row("SIGKILL -> first committed step", [secs(r.first_commit_s) for r in runs]),
+             row("steps redone", ["-" if r.redone is None else str(r.redone) for r in runs]),
+             row("processes restarted", ["0" if r.system == "ours" else str(nproc) for r in runs]),
+             row("world after", ["-" if r.world_after is None else f"{r.world_after} ranks" for r in runs]),
+             row("outcome", [_outcome(r) for r in runs]), ""]
+    lines += [f"{heads[r.system]}: {r.note}" for r in runs if r.system != "ours"]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="resilient-comm demo", description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=4, help="worker processes (default 4)")
-    p.add_argument("--victim", type=int, default=None, help="rank to SIGKILL (default: the middle one)")
-    p.add_argument("--kill-after", type=int, default=50, help="all_reduces every rank completes before the kill")
-    p.add_argument("--steps-after", type=int, default=20, help="all_reduces the survivors run afterwards")
-    p.add_argument("--numel", type=int, default=1 << 18, help="float32 elements per all_reduce")
-    p.add_argument("--timeout", type=float, default=30.0, help="op timeout in seconds (never waited out)")
+    p.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    p.add_argument("--kill-step", type=int, default=25, help="the victim dies at the start of this step (default 25)")
+    p.add_argument("--ckpt-every", type=int, default=10, help="checkpoint cadence in steps (default 10)")
+    p.add_argument("--step-ms", type=float, default=0.0, help="extra time per step standing for compute")
+    p.add_argument("--compare-torchrun", action="store_true", help="also run it as a torchrun elastic restart")
+    p.add_argument("--timeout", type=float, default=90.0, help="bound on each run, seconds (default 90)")
     a = p.parse_args(argv)
     if a.nproc < 2:
         p.error("--nproc must be at least 2")
-    victim = a.nproc // 2 if a.victim is None else a.victim
-    if not 0 <= victim < a.nproc:
-        p.error(f"--victim must be in [0, {a.nproc})")
-
-    print(f"starting {a.nproc} workers (resilient_tcp, op timeout {a.timeout:.0f} s) ...", flush=True)
-    t0 = time.time()
-    with start_workers(_worker, a.nproc, victim, a.kill_after, a.steps_after, a.numel, timeout_s=a.timeout) as w:
-        for r in range(a.nproc):
-            w.wait_key(f"demo/reached/{r}")
-        print(f"all workers past step {a.kill_after} after {time.time() - t0:.1f} s; SIGKILL rank {victim}", flush=True)
-        w.kill(victim, signal.SIGKILL)
-        killed_at = time.time()
-        results = w.join()
-
-    print()
-    print(f"{'rank':>4}  {'detected after':>14}  {'survivors rebuilt + ' + str(a.steps_after) + ' steps':>26}  error")
-    ok = True
-    for r in results:
-        if r.rank == victim:
-            print(f"{r.rank:>4}  {'(killed)':>14}")
-            continue
-        if not r.ok:
-            ok = False
-            print(f"{r.rank:>4}  FAILED: {r.error.splitlines()[0]}")
-            continue
-        v = r.value
-        print(f"{r.rank:>4}  {1000 * (v['failed_at'] - killed_at):>11.1f} ms  {v['rebuilt_s']:>24.3f} s  {v['error'][:110]}")
-    if ok:
-        worst = max(r.value["failed_at"] for r in results if r.rank != victim) - killed_at
-        resumed = max(r.value["first_step_at"] for r in results if r.rank != victim) - killed_at
-        print()
-        print(f"every survivor detected the failure within {1000 * worst:.0f} ms (op timeout: {a.timeout:.0f} s);")
-        print(f"the {a.nproc - 1} survivors were training again {resumed:.2f} s after the kill, in the same processes.")
-    return 0 if ok else 1
+    if not 0 < a.kill_step < a.steps:
+        p.error("--kill-step must be inside the run")
+    s = Settings(a.steps, a.kill_step, a.ckpt_every, a.step_ms, a.timeout)
+    launcher_log = logging.getLogger("resilient_comm.launcher")
+    launcher_log.addHandler(logging.StreamHandler(sys.stdout))
+    launcher_log.handlers[-1].setFormatter(logging.Formatter("[resilient-run] %(message)s"))
+    launcher_log.setLevel(logging.WARNING)
+    victim = a.nproc // 2
+    print(f"{a.nproc} workers train a small MLP for {a.steps} steps under resilient-run (resilient_tcp, op timeout "
+          f"{dist.default_pg_timeout.total_seconds() / 60:.0f} min: the default, never waited out); rank {victim} "
+          f"SIGKILLs itself at the start of step {a.kill_step} ...", flush=True)
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory(prefix="resilient-demo-") as root:
+        started = time.time()
+        ours = run_ours(a.nproc, 0, s, root)
+        runs.append(ours)
+        if not ours.recovered:
+            print(f"the survivors did not recover: {ours.note}")
+            return 1
+        assert ours.fault_t is not None
+        kill_t = ours.fault_t
+        print(f"done in {time.time() - started:.1f} s. Recovery timeline of each survivor, ms after the kill:\n")
+        print("\n".join(_timeline_table(ours, kill_t)))
+        tl = ours.timelines[0]
+        print(f"\nepoch {tl['epoch']}: rank(s) {tl['lost']} lost; the {len(tl['members'])} survivors ({tl['mode']} of "
+              f"every group) resumed at step {tl['resume_step']} ({ours.redone} step redone) and finished all "
+              f"{a.steps} steps in the same processes.")
+        print(f"SIGKILL -> first committed step on every survivor: {1e3 * (ours.first_commit_s or 0):.1f} ms.")
+        if a.compare_torchrun:
+            print("\nthe same run as a torchrun elastic restart from checkpoint (gloo), with torch's defaults ...",
+                  flush=True)
+            runs.append(run_torchrun(a.nproc, 0, s, root, fix=False))
+            print(f"... and with {next(iter(FIX))}=1 ...", flush=True)
+            runs.append(run_torchrun(a.nproc, 0, s, root, fix=True))
+            print()
+            print("\n".join(_side_by_side(runs, a.nproc)))
+    return 0

@@ -55,7 +55,19 @@ def shrink(exclude_ranks: list[int], group: dist.ProcessGroup | None = None) -> 
     pg = group if group is not None else c10d._get_default_group()
     excluded = _check_exclude(exclude_ranks, pg)
     flags = c10d.SHRINK_ABORT if errored(pg) is not None else c10d.SHRINK_DEFAULT
-    return dist.shrink_group(excluded, group=pg, shrink_flags=flags)
+    # Not torch.distributed.shrink_group: it clones the store, and a new TCPStore connection can
+    # stall 5 s in c10d's reverse-DNS lookup for a log line (pytorch/pytorch#159007). The new
+    # group reuses the parent's store instead.
+    backend = _backend(pg).shrink(excluded, flags, None)
+    global_of = c10d.get_process_group_ranks(pg)
+    survivors = [g for i, g in enumerate(global_of) if i not in set(excluded)]
+    is_default = pg is c10d._get_default_group()
+    name = f"{c10d._get_process_group_name(pg)}:shrunk"
+    store = _store_of(pg)
+    if not is_default:
+        dist.destroy_process_group(pg)
+    return _adopt(backend, store=store, name=name, global_ranks=survivors, make_default=is_default,
+                  replaces=pg if is_default else None)
 
 
 def split(color: int, key: int | None = None, group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:

@@ -1,0 +1,45 @@
+"""resilient_comm.elastic: detect, agree, evict, shrink and resume in-process.
+
+- `Controller` wraps the training loop (commit protocol, recovery, timelines).
+- `Membership` keeps epochs, decisions and failure reports on the launcher's store.
+- `Detector` turns exit reports, heartbeats and dead-vs-slow bounds into evidence.
+- `Mesh` / `plan_shrink`: the mesh-aware shrink policy (a TP/PP group is atomic).
+- `Launcher` (the ``resilient-run`` command) hosts the store, starts workers, reports exits.
+
+docs/elastic.md describes the protocol, the bounds and what a user sees.
+"""
+
+from resilient_comm.elastic.controller import (
+    EXIT_EVICTED,
+    Controller,
+    Evicted,
+    Groups,
+    RecoveryError,
+    Step,
+)
+from resilient_comm.elastic.detector import Detector, DetectorConfig
+from resilient_comm.elastic.launcher import Launcher
+from resilient_comm.elastic.membership import Decision, Gone, JoinRecord, Membership
+from resilient_comm.elastic.policy import Mesh, Plan, plan_shrink
+from resilient_comm.elastic.timeline import Timeline, prometheus
+
+__all__ = [
+    "EXIT_EVICTED",
+    "Controller",
+    "Decision",
+    "Detector",
+    "DetectorConfig",
+    "Evicted",
+    "Gone",
+    "Groups",
+    "JoinRecord",
+    "Launcher",
+    "Membership",
+    "Mesh",
+    "Plan",
+    "RecoveryError",
+    "Step",
+    "Timeline",
+    "plan_shrink",
+    "prometheus",
+]

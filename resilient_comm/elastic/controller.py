@@ -1,0 +1,536 @@
+"""The elastic controller: wraps the training loop, recovers from failures in-process.
+
+Usage, in a worker started by ``resilient-run``::
+
+    ctl = Controller(state=trainer, tp=1, comm_bytes=grad_bytes)
+    for s in ctl.steps(total_steps):
+        with s:                                     # a CommError inside -> recovery, then the
+            loss = trainer.forward_backward(s.step) #   loop goes on at ctl.next_step
+            s.commit(trainer.optimizer_step, grads=trainer.grads())
+    ctl.close()
+
+``ctl.groups`` holds the current world, dp, tp and pp groups (read it every step: a recovery
+replaces them). ``state`` is anything with ``state_dict()``/``load_state_dict()`` (a module,
+or an object bundling model and optimizer).
+
+**Commit protocol.** ``s.commit(apply, grads)`` averages `grads` over the DP group, then every
+member *votes*: an all_reduce(MIN) of 1 on the world. A member reaches its vote only after
+every collective of its step succeeded, so a vote result of 1 on any member means every member
+of the epoch completed the step's collectives. Only then ``apply()`` (the optimizer update)
+runs and the step is *committed*. The invariant, for any two members of an epoch::
+
+    committed(a) and committed(b) differ by at most 1, and a member one behind holds the
+    pending step: it voted, so its reduced gradients are complete and its update not applied.
+
+(A member cannot start step s+1's collectives before every member finished the vote of s.)
+On recovery, the epoch's decision sets ``resume_step = C + 1`` with C the highest step
+committed by any joiner (or by a member that already finished). A member at C-1 applies its
+pending update (roll forward: the step is not redone); a member that had started step C+1
+reloads the snapshot taken at that step's start (roll back: compute side effects such as
+batch-norm statistics are undone). So every member resumes from the same committed step, at
+most the one in-flight step is redone, and no step is applied twice.
+
+**Recovery**: abort this process's groups (bounded: abort returns at once) -> join the next
+epoch (`membership`) -> the decision (`policy`: shrink, whole replicas leave) -> rebuild the
+world (shrink of the previous world, or a fresh group when a previous build was interrupted)
+and split it into the dp/tp/pp groups, verified by one collective -> restore -> resume. A
+failure during a recovery just starts the next epoch. A rank absent from a decision raises
+`Evicted`; when no replica survives, `RecoveryError`. Each recovery leaves a `Timeline`.
+
+**Data parallel after a shrink**: every surviving replica keeps its per-rank batch (and its
+data stream); the global batch shrinks with the DP size and gradients are averaged over the
+survivors. The learning rate is not rescaled (``ctl.dp_size`` is there for who wants to).
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import datetime
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Protocol, Self
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+import resilient_comm
+from resilient_comm.api import _backend
+from resilient_comm.elastic.detector import Detector, DetectorConfig
+from resilient_comm.elastic.membership import Decision, Gone, JoinRecord, Membership, now
+from resilient_comm.elastic.policy import DIMS, Mesh, plan_shrink
+from resilient_comm.elastic.timeline import Timeline
+from resilient_comm.groups import _adopt
+
+ENV_STORE = "RESILIENT_COMM_STORE"  # host:port of the launcher's store
+ENV_NAMESPACE = "RESILIENT_COMM_NAMESPACE"  # this run's key prefix in it
+EXIT_EVICTED = 3  # exit status of a worker the membership evicted (the launcher ignores it)
+
+
+class Evicted(Exception):
+    """This process is no longer a member (suspected, or its replica left): it should exit."""
+
+
+class RecoveryError(RuntimeError):
+    """The job cannot go on in-process: no replica survived, the launcher's store is gone, or
+    recovery made no progress."""
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The current process groups. A dimension spanning the whole world is the world group."""
+
+    world: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    tp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+
+
+class _Pacer:
+    """Back-off for store polling loops (pacing only: what ends a loop is a key or a bound)."""
+
+    def __init__(self, first_s: float = 0.0005, cap_s: float = 0.005) -> None:
+        self._d, self._cap = first_s, cap_s
+
+    def wait(self) -> None:
+        time.sleep(self._d)
+        self._d = min(self._cap, self._d * 1.5)
+
+
+class Step:
+    """One training step; use as a context manager and call `commit` inside it."""
+
+    def __init__(self, ctl: Controller, step: int) -> None:
+        self.step = step
+        self._ctl = ctl
+        self.committed = False
+
+    def __enter__(self) -> Self:
+        self._ctl._begin(self.step)
+        return self
+
+    def commit(self, apply: Callable[[], Any], grads: Sequence[torch.Tensor] = ()) -> None:
+        """Average `grads` over the DP group, agree, then run `apply` (the update)."""
+        self._ctl._commit(self.step, apply, grads)
+        self.committed = True
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> bool:
+        if et is None:
+            if not self.committed:
+                raise RuntimeError(f"step {self.step} ended without commit()")
+            return False
+        if isinstance(ev, dist.DistBackendError):
+            self._ctl._recover(ev, op_error=not isinstance(ev, resilient_comm.CommAbortedError))
+            return True
+        return False
+
+
+class Controller:
+    """One per worker process; its methods are for the training thread only."""
+
+    def __init__(
+        self,
+        state: Stateful | None = None,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        backend: str = "resilient_tcp",
+        timeout: datetime.timedelta | None = None,
+        start_step: int = 0,
+        comm_bytes: int = 0,
+        detector: DetectorConfig | None = None,
+        snapshot: bool = True,
+        hook: Callable[[str, dict[str, Any]], None] | None = None,
+        max_recoveries_per_step: int = 5,
+    ) -> None:
+        env = os.environ
+        missing = [k for k in ("RANK", "WORLD_SIZE", ENV_STORE, ENV_NAMESPACE) if k not in env]
+        if missing:
+            raise RuntimeError(f"Controller needs {missing} in the environment: start workers with resilient-run")
+        self.rank = int(env["RANK"])
+        world = int(env["WORLD_SIZE"])
+        self._state = state
+        self._backend = backend
+        self._timeout = timeout or dist.default_pg_timeout
+        self._comm_bytes = comm_bytes
+        self._snapshot_on = snapshot and state is not None
+        self._hook = hook
+        self._max_per_step = max_recoveries_per_step
+        host, port = env[ENV_STORE].rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), None, False, timeout=self._timeout)
+        self._m = Membership(store, env[ENV_NAMESPACE], world)
+        initial = Decision(0, list(range(world)), Mesh.for_world(world, tp, pp).as_dict(), "init", start_step)
+        self._decision = self._m.start(initial)
+        if self._decision.mesh != initial.mesh or self._decision.resume_step != start_step:
+            raise ValueError(f"rank {self.rank} starts with mesh {initial.mesh} at step {start_step}, but the job "
+                             f"started with mesh {self._decision.mesh} at step {self._decision.resume_step}")
+        self.applied_epoch = 0
+        self.committed = start_step - 1
+        self.next_step = start_step
+        self.recoveries: list[Timeline] = []
+        self._ready = False
+        self._pending: tuple[int, Callable[[], Any]] | None = None
+        self._snapshot: tuple[int, dict[str, Any]] | None = None
+        self._dirty = False
+        self._step_started = 0.0
+        self._timeline: Timeline | None = None
+        self._tries: dict[int, int] = {}
+        self._groups: Groups | None = None
+        self._lock = threading.Lock()
+        self._registered: list[dist.ProcessGroup] = []
+        self._watching: set[int] = set(initial.members)
+        self._evidence: dict[int, Gone] = {}
+        self._heard: dict[int, tuple[str, float]] = {}  # rank -> (source, arrival) of its first report
+        self._detected_at: float | None = None
+        self._fatal: str | None = None
+        self._finished = False
+        self._detector = Detector(self._m, self.rank, detector or DetectorConfig(), self._on_gone, self._on_store_lost)
+        self._detector.start()
+        atexit.register(self._detector.stop)  # also when the script never calls close()
+        self._detector.watch(initial.members, comm_bytes)
+        if self._m.epoch() != 0:
+            self._recover(RuntimeError(f"rank {self.rank} started after the job moved past epoch 0"), op_error=False)
+            return
+        try:
+            self._build(self._decision, None)
+        except dist.DistBackendError as e:
+            self._recover(e, op_error=True)
+
+    # -- what the training loop sees ------------------------------------------------------
+
+    @property
+    def groups(self) -> Groups:
+        assert self._groups is not None
+        return self._groups
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._decision.mesh_obj()
+
+    @property
+    def members(self) -> list[int]:
+        """Launch ranks of the current members, in rank order."""
+        return list(self._decision.members)
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.dp
+
+    def steps(self, total: int) -> Iterator[Step]:
+        """Steps to run until every member has committed step total-1; recoveries move
+        `next_step` (the iterator follows it), and a member that finished helps any late
+        recovery before it returns."""
+        while True:
+            if self.next_step < total:
+                yield Step(self, self.next_step)
+            elif self._finish(total):
+                return
+
+    def run(self, total: int, train_step: Callable[[Step], Any]) -> None:
+        """`train_step(s)` for every step, each ending in ``s.commit(...)``."""
+        for s in self.steps(total):
+            with s:
+                train_step(s)
+
+    def close(self) -> None:
+        """Stop the detector threads and destroy the process groups."""
+        self._detector.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- steps and commits ----------------------------------------------------------------
+
+    def _emit(self, event: str, **info: Any) -> None:
+        if self._hook is not None:
+            self._hook(event, info)
+
+    def _begin(self, step: int) -> None:
+        if self._snapshot_on:
+            assert self._state is not None
+            self._snapshot = (step, copy.deepcopy(self._state.state_dict()))
+        self._dirty = True
+        self._step_started = time.monotonic()
+        self._detector.progress(step, "compute")
+        self._emit("step.start", step=step)
+
+    def _commit(self, step: int, apply: Callable[[], Any], grads: Sequence[torch.Tensor]) -> None:
+        self._detector.progress(step, "sync")
+        g = self.groups
+        if grads:
+            flat = _flatten_dense_tensors(list(grads))
+            dist.all_reduce(flat, group=g.dp)
+            flat /= self.mesh.dp
+            for t, reduced in zip(grads, _unflatten_dense_tensors(flat, list(grads))):
+                t.copy_(reduced)
+        self._emit("step.synced", step=step)
+        self._pending = (step, apply)
+        vote = torch.ones(1, dtype=torch.int32)
+        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=g.world)
+        self._pending = None
+        self.committed, self.next_step, self._dirty = step, step + 1, False
+        apply()
+        self._detector.step_done(time.monotonic() - self._step_started)
+        if self._timeline is not None:
+            self._timeline.mark("first_commit")
+            with self._lock:
+                for source, at in [self._heard[r] for r in self._timeline.lost if r in self._heard]:
+                    self._timeline.via[source] = min(at, self._timeline.via.get(source, at))
+            self._timeline.emit()
+            self.recoveries.append(self._timeline)
+            self._timeline = None
+        self._emit("step.committed", step=step)
+
+    # -- failure evidence (detector threads) ----------------------------------------------
+
+    def _on_gone(self, g: Gone) -> None:
+        with self._lock:
+            self._heard.setdefault(g.rank, ("exit_report" if g.kind == "exit" else "suspicion", now()))
+            if self._finished or g.rank not in self._watching:
+                return
+            self._evidence.setdefault(g.rank, g)
+            if self._detected_at is None:
+                self._detected_at = now()
+            groups = list(self._registered)
+        self._abort(groups, f"rank {g.rank} is gone ({g.kind}: {g.detail}, reported by {g.by})")
+
+    def _on_store_lost(self, e: BaseException) -> None:
+        with self._lock:
+            self._fatal = f"the launcher's store is unreachable: {e}"
+            groups = list(self._registered)
+        self._abort(groups, self._fatal)
+
+    @staticmethod
+    def _abort(groups: list[dist.ProcessGroup], reason: str) -> None:
+        for pg in groups:
+            try:
+                resilient_comm.abort(pg, reason)
+            except (ValueError, RuntimeError):
+                pass  # already destroyed by a shrink: nothing left to release
+
+    def _register(self, pg: dist.ProcessGroup, members: list[int]) -> None:
+        with self._lock:
+            self._registered.append(pg)
+            doomed = [r for r in members if r in self._evidence]
+        if doomed:
+            self._abort([pg], f"rank(s) {doomed} gone while the group was being built")
+
+    # -- recovery -------------------------------------------------------------------------
+
+    def _recover(self, cause: BaseException, op_error: bool) -> None:
+        """Recover from `cause`; `op_error`: it is a collective's own failure (evidence)."""
+        if self._fatal:
+            raise RecoveryError(self._fatal) from cause
+        tries = self._tries[self.next_step] = self._tries.get(self.next_step, 0) + 1
+        if tries > self._max_per_step:
+            raise RecoveryError(f"{tries - 1} recoveries at step {self.next_step} without progress") from cause
+        tl = Timeline(self.rank, f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}")
+        with self._lock:
+            detected = self._detected_at or now()
+            failure = min([g.t for g in self._evidence.values()] + [detected])
+            groups = list(self._registered)
+        tl.mark("failure", failure)
+        tl.mark("detected", detected)
+        if op_error:
+            tl.via["op_error"] = now()
+        self._detector.progress(self.next_step, "recovery")
+        self._abort(groups, f"recovering from {tl.cause}")
+        tl.mark("aborted")
+        self._emit("recovery.aborted")
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        while True:
+            tl.attempts += 1
+            base, decision = self._agree(deadline)
+            tl.mark("agreed")
+            tl.lost += decision.lost
+            self._emit("recovery.agreed", epoch=decision.epoch, members=decision.members)
+            if decision.mode == "fail":
+                raise RecoveryError(f"epoch {decision.epoch}: {decision.note}") from cause
+            if self.rank not in decision.members:
+                raise Evicted(f"rank {self.rank} was evicted in epoch {decision.epoch} (its replica lost "
+                              f"{decision.lost}); {len(decision.members)} ranks go on")
+            try:
+                self._build(decision, base)
+                break
+            except dist.DistBackendError as e:
+                cause = e  # a failure during the rebuild: on to the next epoch
+                with self._lock:
+                    groups = list(self._registered)
+                self._abort(groups, f"rebuild of epoch {decision.epoch} failed")
+        tl.mark("rebuilt")
+        if decision.failed_at:
+            tl.mark("failure", min(tl.t["failure"], decision.failed_at))
+        self._restore(decision)
+        tl.mark("restored")
+        self._emit("recovery.restored", epoch=decision.epoch, step=self.next_step)
+        tl.epoch, tl.resume_step, tl.members, tl.mode = decision.epoch, decision.resume_step, decision.members, decision.mode
+        self._timeline = tl
+
+    def _agree(self, deadline: float) -> tuple[Decision, Decision]:
+        """Join the current epoch and return (the previous epoch's decision, its decision)."""
+        me = self._m.gone([self.rank])
+        if me:
+            raise Evicted(f"rank {self.rank} was reported gone: {me[self.rank].detail}")
+        current = self._m.propose(self.applied_epoch)
+        base = self._decision
+        for e in range(self.applied_epoch + 1, current):
+            d = self._m.decision(e)
+            if d is None:
+                raise RecoveryError(f"epoch {current} was proposed but epoch {e} has no decision")
+            if self.rank not in d.members:
+                raise Evicted(f"rank {self.rank} was evicted in epoch {e} (lost {d.lost}, evicted {d.evicted})")
+            base = d
+        pending = self._pending[0] if self._pending else None
+        self._m.join(current, JoinRecord(self.rank, self.applied_epoch, self._ready, self.committed, pending, now()))
+        self._emit("recovery.joined", epoch=current)
+        with self._lock:
+            self._watching = set(base.members)
+        return base, self._await_decision(current, base, deadline)
+
+    def _await_decision(self, epoch: int, base: Decision, deadline: float) -> Decision:
+        pace = _Pacer()
+        while True:
+            d = self._m.decision(epoch)
+            if d is not None:
+                return d
+            live = [r for r in base.members if r not in self._detector.gone()]
+            if live and live[0] == self.rank:
+                joined = self._m.joined(epoch, live)
+                if set(joined) == set(live):
+                    gone = self._m.gone(base.members)
+                    joined = {r: j for r, j in joined.items() if r not in gone}
+                    return self._m.decide(self._decide(epoch, base, joined, gone))
+            if time.monotonic() > deadline:
+                raise RecoveryError(f"no decision for epoch {epoch} before the deadline (waiting on {live})")
+            pace.wait()
+
+    def _decide(self, epoch: int, base: Decision, joined: dict[int, JoinRecord], gone: dict[int, Gone]) -> Decision:
+        lost = [i for i, r in enumerate(base.members) if r not in joined]
+        plan = plan_shrink(base.mesh_obj(), lost)
+        members = [base.members[i] for i in plan.stay]
+        done = self._m.done(base.members)
+        top = max([j.committed for j in joined.values()] + list(done.values()))
+        mode, note = ("fail", f"no replica survived (lost {[base.members[i] for i in plan.lost]})") \
+            if plan.mesh is None else ("init", "")
+        behind = [r for r in members if joined[r].committed != top
+                  and not (joined[r].committed == top - 1 and joined[r].pending == top)]
+        if behind:  # cannot happen (see the module docstring); fail everywhere rather than diverge
+            mode, note = "fail", (f"commit protocol violated: {behind} neither committed step {top} nor hold it "
+                                  f"pending ({[joined[r] for r in behind]})")
+        elif plan.mesh is not None and plan.leaves and all(
+                joined[r].applied == epoch - 1 and joined[r].ready for r in members):
+            mode = "shrink"
+        mesh = (plan.mesh or base.mesh_obj()).as_dict()
+        lost_ranks = [base.members[i] for i in plan.lost]
+        failed_at = min([gone[r].t for r in lost_ranks if r in gone], default=0.0)
+        return Decision(epoch, members, mesh, mode, top + 1, lost_ranks, [base.members[i] for i in plan.evicted],
+                        self.rank, now(), failed_at, note)
+
+    def _build(self, d: Decision, base: Decision | None) -> None:
+        """Make `d`'s world and dp/tp/pp groups and verify them with one collective each."""
+        with self._lock:
+            old, self._registered, self._watching = self._registered, [], set(d.members)
+        self.applied_epoch, self._decision, self._ready = d.epoch, d, False
+        me, mesh = d.members.index(self.rank), d.mesh_obj()
+        if d.mode == "shrink":
+            assert base is not None
+            for pg in [g for g in old if g is not c10d._get_default_group()]:
+                dist.destroy_process_group(pg)  # shrinking the world would (noisily) do it
+            world = self._shrink_world([i for i, r in enumerate(base.members) if r not in d.members], d.epoch)
+        else:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            dist.init_process_group(self._backend, store=self._m.world_store(d.epoch), rank=me,
+                                    world_size=len(d.members), timeout=self._timeout)
+            world = c10d._get_default_group()
+        self._register(world, d.members)
+        sub: dict[str, dist.ProcessGroup] = {}
+        for dim in DIMS:
+            if getattr(mesh, dim) == mesh.size:
+                sub[dim] = world
+            else:
+                group = resilient_comm.split(mesh.group_index(me, dim), key=me, group=world)
+                assert group is not None  # colors are never negative here
+                self._register(group, d.members)
+                sub[dim] = group
+        check = torch.tensor([float(d.epoch), float(d.resume_step)], dtype=torch.float64)
+        dist.all_reduce(check, op=dist.ReduceOp.MAX, group=world)
+        if check.tolist() != [float(d.epoch), float(d.resume_step)]:
+            raise RecoveryError(f"members disagree on epoch/resume step: {check.tolist()}")
+        for dim in DIMS:
+            if sub[dim] is not world:
+                one = torch.ones(1)
+                dist.all_reduce(one, group=sub[dim])
+        self._groups = Groups(world=world, dp=sub["dp"], tp=sub["tp"], pp=sub["pp"])
+        self._ready = True
+        self._detector.watch(d.members, self._comm_bytes)
+        with self._lock:
+            for r in [r for r in self._evidence if r not in d.members]:
+                del self._evidence[r]
+            if not self._evidence:
+                self._detected_at = None
+
+    def _shrink_world(self, exclude: list[int], epoch: int) -> dist.ProcessGroup:
+        """The world without `exclude` (ranks of the current world), as the new default group.
+
+        What ``resilient_comm.shrink`` does, except that the new group is registered on this
+        process's store connection: ``torch.distributed.shrink_group`` clones the store, a
+        new TCP connection whose set-up in c10d includes a reverse-DNS lookup that can stall
+        for the resolver's timeout (5 s) -- see docs/elastic.md.
+        """
+        old = c10d._get_default_group()
+        backend = _backend(old).shrink(exclude, c10d.SHRINK_ABORT, None)
+        size = old.size() - len(exclude)
+        return _adopt(backend, store=self._m.world_store(epoch), name=f"elastic-e{epoch}",
+                      global_ranks=list(range(size)), make_default=True, replaces=old)
+
+    def _restore(self, d: Decision) -> None:
+        top = d.resume_step - 1
+        if self.committed == top - 1 and self._pending and self._pending[0] == top:
+            self._pending[1]()  # roll forward: apply the update every member voted for
+            self.committed = top
+            self._emit("step.committed", step=top, rolled_forward=True)
+        elif self.committed != top:
+            raise RecoveryError(f"rank {self.rank} committed {self.committed}, cannot resume at {d.resume_step}")
+        elif self._dirty and self._snapshot is not None:
+            assert self._state is not None and self._snapshot[0] == top + 1
+            self._state.load_state_dict(self._snapshot[1])  # roll back the uncommitted step
+        self._pending, self._dirty, self.next_step = None, False, d.resume_step
+
+    # -- the end --------------------------------------------------------------------------
+
+    def _finish(self, total: int) -> bool:
+        """Wait until every live member committed the last step. False if a recovery moved the
+        job back (the caller then runs the remaining steps)."""
+        self._detector.progress(self.committed, "done")
+        self._m.set_done(self.rank, self.committed)
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        pace = _Pacer(cap_s=0.02)
+        while True:
+            members = self._decision.members
+            done, gone = self._m.done(members), self._detector.gone()
+            if all(r in done or r in gone for r in members):
+                with self._lock:
+                    self._finished = True
+                return True
+            if self._m.epoch() > self.applied_epoch:
+                self._recover(RuntimeError("a member is recovering after this one finished"), op_error=False)
+                return self.next_step >= total and self._finish(total)
+            if time.monotonic() > deadline:
+                raise RecoveryError(f"members {[r for r in members if r not in done]} never finished")
+            pace.wait()
+
+
+__all__ = ["ENV_NAMESPACE", "ENV_STORE", "EXIT_EVICTED", "Controller", "Evicted", "Groups", "RecoveryError",
+           "Stateful", "Step"]

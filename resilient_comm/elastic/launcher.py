@@ -1,0 +1,288 @@
+"""``resilient-run``: a torchrun-compatible launcher that never kills survivors.
+
+    resilient-run --nproc-per-node 4 train.py --lr 0.1
+    resilient-run --nnodes 2 --node-rank 0 --rdzv-endpoint host0:29400 --nproc-per-node 8 -m pkg.train
+
+What it does, and how it differs from torchrun:
+
+- **Hosts the job's c10d TCPStore** (node 0, at ``--rdzv-endpoint``, default a free local
+  port), so no worker's death takes the store down. Workers get torchrun's variables (RANK,
+  LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR/MASTER_PORT pointing at
+  that store, TORCHELASTIC_USE_AGENT_STORE=True, TORCHELASTIC_RESTART_COUNT, ...) plus
+  ``RESILIENT_COMM_STORE`` (host:port) and ``RESILIENT_COMM_NAMESPACE`` (the key prefix of
+  this run and generation), which `resilient_comm.elastic.Controller` reads.
+- **Reports a worker's exit at once**: it waits on the workers' pidfds and, the moment one
+  ends, records it under ``{ns}/gone/{rank}`` with an event every controller is blocked on.
+- **Never kills survivors** when a worker dies: they recover in-process.
+- **Forwards SIGINT/SIGTERM** to every worker (each runs in its own session, so a terminal's
+  Ctrl-C reaches a worker once, through the launcher); a second signal sends SIGKILL.
+- **Exits with the workers' status**: the status of the workers that were members of the
+  last membership decision (evicted or dead ranks that the job recovered from do not count):
+  0 when all of them exited 0, else the first failure's code (128+N for signal N). A plain
+  torch script (no controller) is judged on every worker.
+- ``--max-restarts N``: when every worker has ended and the job failed (nobody could recover
+  in-process: say every replica lost a rank), start the whole group again, up to N times, in a
+  fresh namespace (the script resumes from its own checkpoint, as under torchrun). Single
+  node only.
+
+Multi-node: one launcher per node with the same ``--nnodes``, ``--nproc-per-node`` and
+``--rdzv-endpoint``; node 0 hosts the store and outlives the others' workers. Ranks are
+static: ``node_rank * nproc_per_node + local_rank`` (min == max nodes only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from typing import IO
+
+import torch.distributed as dist
+
+from resilient_comm.elastic.controller import ENV_NAMESPACE, ENV_STORE
+from resilient_comm.elastic.membership import Gone, Membership, now
+
+log = logging.getLogger("resilient_comm.launcher")
+
+
+@dataclass
+class Worker:
+    rank: int
+    proc: subprocess.Popen
+    pidfd: int
+    log: IO[bytes] | None
+    status: int | None = None  # shell-style: code, or 128+signal
+
+
+def describe_status(returncode: int) -> str:
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit code {returncode}"
+
+
+def shell_status(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class Launcher:
+    """Starts and watches one node's workers. `run()` (or `start()` then `wait()`) returns
+    the exit status; `forward(sig)` may be called from a signal handler or another thread."""
+
+    def __init__(
+        self,
+        cmd: list[str],
+        nproc: int,
+        *,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        endpoint: str = "127.0.0.1:0",
+        max_restarts: int = 0,
+        run_id: str | None = None,
+        log_dir: str | None = None,
+        env: dict[str, str] | None = None,
+        store_timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+    ) -> None:
+        if nproc < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
+            raise ValueError(f"bad layout: nproc {nproc}, nnodes {nnodes}, node_rank {node_rank}")
+        if max_restarts and nnodes > 1:
+            raise ValueError("--max-restarts needs a single node (restarting several nodes is not supported)")
+        self.cmd, self.nproc, self.nnodes, self.node_rank = cmd, nproc, nnodes, node_rank
+        self.max_restarts, self.log_dir, self.extra_env = max_restarts, log_dir, dict(env or {})
+        self.run_id = run_id or uuid.uuid4().hex[:8]
+        host, port = endpoint.rsplit(":", 1)
+        self.host = host
+        self.store = dist.TCPStore(host, int(port), None, node_rank == 0, timeout=store_timeout,
+                                   wait_for_workers=False)
+        self.port = self.store.port
+        self.generation = 0
+        self.workers: list[Worker] = []
+        self._sel = selectors.DefaultSelector()
+        self._shutting_down = False
+        self._signals = 0
+
+    @property
+    def namespace(self) -> str:
+        return f"rc/{self.run_id}/g{self.generation}"
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+    def client(self) -> dist.TCPStore:
+        """A new connection to the store (one per thread that uses it)."""
+        return dist.TCPStore(self.host, self.port, None, False, timeout=datetime.timedelta(seconds=60))
+
+    def membership(self) -> Membership:
+        return Membership(self.store, self.namespace, self.world_size)
+
+    def _env(self, rank: int, local_rank: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.nproc), "GROUP_RANK": str(self.node_rank),
+            "GROUP_WORLD_SIZE": str(self.nnodes), "ROLE_NAME": "default", "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(self.world_size), "MASTER_ADDR": self.host, "MASTER_PORT": str(self.port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(self.generation),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts), "TORCHELASTIC_RUN_ID": self.run_id,
+            ENV_STORE: f"{self.host}:{self.port}", ENV_NAMESPACE: self.namespace,
+        })
+        if "OMP_NUM_THREADS" not in os.environ and self.nproc > 1:
+            env["OMP_NUM_THREADS"] = "1"  # as torchrun: N workers must not each take every core
+        env.update(self.extra_env)
+        return env
+
+    def start(self) -> None:
+        """Start this node's workers (a new generation after a restart)."""
+        self.workers = []
+        for local_rank in range(self.nproc):
+            rank = self.node_rank * self.nproc + local_rank
+            out: IO[bytes] | None = None
+            if self.log_dir:
+                os.makedirs(os.path.join(self.log_dir, str(self.generation)), exist_ok=True)
+                out = open(os.path.join(self.log_dir, str(self.generation), f"{rank}.log"), "wb")  # noqa: SIM115
+            proc = subprocess.Popen(self.cmd, env=self._env(rank, local_rank), start_new_session=True,
+                                    stdout=out, stderr=subprocess.STDOUT if out else None)
+            w = Worker(rank, proc, os.pidfd_open(proc.pid), out)
+            self._sel.register(w.pidfd, selectors.EVENT_READ, w)
+            self.workers.append(w)
+        log.info("started %d workers (generation %d, store %s:%d, namespace %s): %s", self.nproc,
+                 self.generation, self.host, self.port, self.namespace, " ".join(self.cmd))
+
+    def wait(self) -> int:
+        """Watch the workers until all have ended (restarting the group if allowed); returns
+        the exit status."""
+        while True:
+            while any(w.status is None for w in self.workers):
+                for key, _ in self._sel.select():
+                    self._reap(key.data)
+            status = self._status()
+            if status == 0 or self._shutting_down or self.generation >= self.max_restarts:
+                self._node_done()
+                return status
+            self.generation += 1
+            log.warning("the job failed (status %d) with no survivor to go on; restart %d of %d",
+                        status, self.generation, self.max_restarts)
+            self.start()
+
+    def run(self) -> int:
+        self.start()
+        return self.wait()
+
+    def _reap(self, w: Worker) -> None:
+        returncode = w.proc.wait()
+        t = now()
+        self._sel.unregister(w.pidfd)
+        os.close(w.pidfd)
+        if w.log is not None:
+            w.log.close()
+        w.status = shell_status(returncode)
+        what = describe_status(returncode)
+        if self._shutting_down:
+            log.info("worker %d (pid %d) ended during shutdown: %s", w.rank, w.proc.pid, what)
+            return
+        self.membership().report_gone(Gone(w.rank, "exit", what, t, "launcher"))
+        level = logging.INFO if returncode == 0 else logging.WARNING
+        log.log(level, "worker %d (pid %d): %s; reported to the membership", w.rank, w.proc.pid, what)
+
+    def _status(self) -> int:
+        """The status of this node's workers that belong to the last membership decision."""
+        m = self.membership()
+        members = None
+        if m.store.check([m.key("epoch")]):
+            for e in range(m.epoch(), -1, -1):
+                d = m.decision(e)
+                if d is not None:
+                    members = None if d.mode == "fail" else set(d.members)
+                    break
+        judged = [w for w in self.workers if members is None or w.rank in members]
+        return next((w.status for w in judged if w.status), 0) or 0
+
+    def _node_done(self) -> None:
+        """Node 0 hosts the store: it waits for every other node's workers before leaving."""
+        key = f"rc/{self.run_id}/node-done/"
+        self.store.set(key + str(self.node_rank), "1")
+        if self.node_rank == 0 and self.nnodes > 1:
+            self.store.wait([key + str(n) for n in range(1, self.nnodes)])
+
+    def forward(self, sig: int) -> None:
+        """Pass a signal to every live worker; the second signal is SIGKILL."""
+        self._signals += 1
+        self._shutting_down = True
+        sig = signal.SIGKILL if self._signals > 1 else sig
+        for w in self.workers:
+            if w.status is None:
+                try:
+                    signal.pidfd_send_signal(w.pidfd, sig)
+                except (ProcessLookupError, OSError):
+                    pass  # ended meanwhile; the selector reports it
+
+
+def _parse_nnodes(text: str) -> int:
+    lo, _, hi = text.partition(":")
+    if hi and int(hi) != int(lo):
+        raise argparse.ArgumentTypeError(f"--nnodes {text}: elastic node ranges are not supported (use N or N:N)")
+    return int(lo)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="resilient-run", allow_abbrev=False,
+                                description="A torchrun-compatible launcher: hosts the job's store, reports a "
+                                            "worker's exit at once, never kills the survivors.")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, help="workers per node")
+    p.add_argument("--nnodes", type=_parse_nnodes, default=1, help="number of nodes: N or N:N")
+    p.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's rank")
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="", help="host:port of the store (node 0 hosts it)")
+    p.add_argument("--rdzv-backend", "--rdzv_backend", default="c10d",
+                   help="accepted for torchrun compatibility; the store is always a c10d TCPStore")
+    p.add_argument("--rdzv-id", "--rdzv_id", default=None, help="run id (default: random)")
+    p.add_argument("--master-addr", "--master_addr", default=None, help="store host when no --rdzv-endpoint")
+    p.add_argument("--master-port", "--master_port", type=int, default=None, help="store port when no --rdzv-endpoint")
+    p.add_argument("--standalone", action="store_true", help="single node on a free local port (the default)")
+    p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
+                   help="whole-group restarts when no worker survives to recover (default 0)")
+    p.add_argument("--monitor-interval", "--monitor_interval", type=float, default=None,
+                   help="accepted for torchrun compatibility; exits are seen at once (pidfd), not polled")
+    p.add_argument("--log-dir", "--log_dir", default=None, help="write each worker's output to DIR/GEN/RANK.log")
+    p.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
+    p.add_argument("--no-python", "--no_python", action="store_true", help="run the script as a program")
+    p.add_argument("script", help="the training script (or module, or program)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[resilient-run] %(message)s", stream=sys.stderr)
+    if a.rdzv_endpoint:
+        endpoint = a.rdzv_endpoint
+    elif a.master_addr or a.master_port:
+        endpoint = f"{a.master_addr or '127.0.0.1'}:{a.master_port or 0}"
+    else:
+        endpoint = "127.0.0.1:0"
+    if a.nnodes > 1 and endpoint.endswith(":0"):
+        print("resilient-run: --nnodes > 1 needs --rdzv-endpoint host:port", file=sys.stderr)
+        return 2
+    if a.no_python:
+        cmd = [a.script, *a.script_args]
+    elif a.module:
+        cmd = [sys.executable, "-u", "-m", a.script, *a.script_args]
+    else:
+        cmd = [sys.executable, "-u", a.script, *a.script_args]
+    launcher = Launcher(cmd, a.nproc_per_node, nnodes=a.nnodes, node_rank=a.node_rank, endpoint=endpoint,
+                        max_restarts=a.max_restarts, run_id=a.rdzv_id, log_dir=a.log_dir)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, _f: launcher.forward(s))
+    status = launcher.run()
+    log.info("all workers ended; exit status %d", status)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""Membership: epochs, join records, decisions and failure reports on a c10d Store.
+
+The store is the launcher's TCPStore (hosted by ``resilient-run``, never by a worker, so no
+worker's death takes it down). Every key lives under a namespace ``ns`` (one per run and
+launcher generation)::
+
+    {ns}/epoch                  the latest proposed epoch (a decimal int)
+    {ns}/e/{E}/decision         epoch E's decision (JSON), written once, by compare-and-set
+    {ns}/e/{E}/join/{rank}      rank's join record for epoch E
+    {ns}/e/{E}/world/           store prefix of epoch E's world group when it is built afresh
+    {ns}/gone/{rank}            the first evidence that rank is gone (exit or suspicion), by CAS
+    {ns}/events/{i}             the i-th event ("rank r is gone"), slot claimed by CAS
+    {ns}/wake/{rank}            a queue: one item per event, so rank's events thread can
+                                block on it (and be woken by its own process to stop)
+    {ns}/hb/{rank}              rank's heartbeat
+    {ns}/done/{rank}            rank finished training at this committed step
+
+Rules that make the protocol safe (the controller follows them):
+
+- **Epochs are a chain.** Epoch 0 is the launch (every rank, written by CAS at start-up). A
+  member that holds the groups of epoch D and sees a failure proposes D+1 with
+  ``compare_set(epoch, D, D+1)``; if the epoch is already past D it joins the current one.
+  So an epoch is proposed only after the previous one was decided.
+- **Exactly one decision per epoch**: ``compare_set(decision, "", value)``; whoever loses the
+  race reads the winner's decision and follows it.
+- **The decider** is the lowest-ranked member of epoch E-1 that is not gone. It waits until
+  every member of E-1 has either joined E or is gone, then publishes. If it dies meanwhile,
+  its death makes the next one the decider.
+- **Members of a decision are joiners of that epoch**, so every member of epoch E applied
+  E's decision; a rank absent from a decision after the epoch it last applied has been
+  evicted and must leave.
+- **Events have no holes**: a poster claims slot i with compare-and-set, so a poster killed
+  mid-post never leaves a slot that readers wait on forever; it then pushes a wake-up to
+  every rank's queue (a reader also checks for a next event on each heartbeat, in case a
+  poster died between the two).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from resilient_comm.elastic.policy import Mesh
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(asdict(obj), sort_keys=True, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of an epoch. `members` are launch ranks, in the new rank order."""
+
+    epoch: int
+    members: list[int]
+    mesh: dict[str, int]
+    mode: str  # "init" (fresh group), "shrink" (from the previous epoch's groups), "fail"
+    resume_step: int
+    lost: list[int] = field(default_factory=list)  # gone: dead or suspected
+    evicted: list[int] = field(default_factory=list)  # alive, but leave with a lost rank's replica
+    by: int = -1  # the decider's launch rank (-1: the launch itself)
+    t: float = 0.0
+    failed_at: float = 0.0  # earliest failure time among the lost ranks' evidence (0: unknown)
+    note: str = ""  # why, when the mode is "fail"
+
+    def mesh_obj(self) -> Mesh:
+        return Mesh(**self.mesh)
+
+    def to_json(self) -> str:
+        return _dumps(self)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Decision:
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class JoinRecord:
+    """What a member brings to an epoch: the groups it holds and how far it got."""
+
+    rank: int
+    applied: int  # the epoch whose groups this member holds
+    ready: bool  # those groups were built and verified on this member
+    committed: int  # last step this member committed (-1: none)
+    pending: int | None  # a step it voted for without learning the outcome
+    t: float = 0.0
+
+    def to_json(self) -> str:
+        return _dumps(self)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> JoinRecord:
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class Gone:
+    """Evidence that a rank is gone. kind: "exit" (the launcher saw the process end; detail
+    holds its status) or "suspect" (heartbeat silence or a straggler past its bound)."""
+
+    rank: int
+    kind: str
+    detail: str
+    t: float  # wall time of the failure as best known (exit time, last heartbeat)
+    by: str  # "launcher" or "rank N"
+
+    def to_json(self) -> str:
+        return _dumps(self)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Gone:
+        return cls(**json.loads(text))
+
+
+class Membership:
+    """Typed access to the membership keys. One instance per thread that uses it (a c10d
+    store client serialises its calls, and a blocking wait would hold up the others)."""
+
+    def __init__(self, store: dist.Store, namespace: str, world_size: int) -> None:
+        self.store = store
+        self.ns = namespace.rstrip("/")
+        self.world_size = world_size
+
+    def clone(self, timeout: datetime.timedelta | None = None) -> Membership:
+        """The same keys through a new connection (for another thread)."""
+        store = self.store.clone()  # type: ignore[attr-defined]  # every c10d store has it; the stubs lag
+        if timeout is not None:
+            store.set_timeout(timeout)
+        return Membership(store, self.ns, self.world_size)
+
+    def key(self, *parts: object) -> str:
+        return "/".join([self.ns, *map(str, parts)])
+
+    # -- epochs and decisions -------------------------------------------------------------
+
+    def start(self, initial: Decision) -> Decision:
+        """Record epoch 0 (every rank calls this with the same decision; the first wins)."""
+        self.store.compare_set(self.key("epoch"), "", "0")
+        return Decision.from_json(self.store.compare_set(self.key("e", 0, "decision"), "", initial.to_json()))
+
+    def epoch(self) -> int:
+        return int(self.store.get(self.key("epoch")))
+
+    def propose(self, applied: int) -> int:
+        """Propose epoch applied+1 if the current epoch is `applied`; returns the current epoch."""
+        return int(self.store.compare_set(self.key("epoch"), str(applied), str(applied + 1)))
+
+    def decision(self, epoch: int) -> Decision | None:
+        k = self.key("e", epoch, "decision")
+        return Decision.from_json(self.store.get(k)) if self.store.check([k]) else None
+
+    def decide(self, decision: Decision) -> Decision:
+        """Publish `decision` unless one exists; returns the one that holds."""
+        k = self.key("e", decision.epoch, "decision")
+        return Decision.from_json(self.store.compare_set(k, "", decision.to_json()))
+
+    def join(self, epoch: int, record: JoinRecord) -> None:
+        self.store.set(self.key("e", epoch, "join", record.rank), record.to_json())
+
+    def joined(self, epoch: int, ranks: list[int]) -> dict[int, JoinRecord]:
+        return {r: JoinRecord.from_json(v) for r, v in self._present([self.key("e", epoch, "join", r) for r in ranks],
+                                                                     ranks).items()}
+
+    def world_store(self, epoch: int) -> dist.Store:
+        """Where epoch `epoch`'s world group meets when it is built afresh."""
+        return dist.PrefixStore(self.key("e", epoch, "world") + "/", self.store)
+
+    # -- failures and events --------------------------------------------------------------
+
+    def report_gone(self, gone: Gone) -> bool:
+        """Record `gone` unless the rank is already recorded; on success post an event.
+        Returns whether this report was the first."""
+        mine = gone.to_json()
+        first = self.store.compare_set(self.key("gone", gone.rank), "", mine).decode() == mine
+        if first:
+            self.post_event({"kind": "gone", "rank": gone.rank})
+        return first
+
+    def gone(self, ranks: list[int]) -> dict[int, Gone]:
+        return {r: Gone.from_json(v) for r, v in self._present([self.key("gone", r) for r in ranks], ranks).items()}
+
+    def post_event(self, payload: dict[str, Any]) -> int:
+        """Append an event and wake every rank; returns its index. Slots are claimed by
+        compare-and-set."""
+        text = json.dumps(payload, sort_keys=True)
+        i = 0
+        while self.store.compare_set(self.key("events", i), "", text).decode() != text:
+            i += 1
+        for r in range(self.world_size):
+            self.wake(r)
+        return i
+
+    def event(self, i: int) -> dict[str, Any] | None:
+        k = self.key("events", i)
+        return json.loads(self.store.get(k)) if self.store.check([k]) else None
+
+    def wake(self, rank: int, why: str = "event") -> None:
+        self.store.queue_push(self.key("wake", rank), why)
+
+    def wait_wake(self, rank: int) -> str:
+        """Block until rank's wake queue has an item (the store's timeout bounds the wait)."""
+        return self.store.queue_pop(self.key("wake", rank)).decode()
+
+    # -- heartbeats and the end -----------------------------------------------------------
+
+    def beat(self, rank: int, value: str) -> None:
+        self.store.set(self.key("hb", rank), value)
+
+    def beats(self, ranks: list[int]) -> dict[int, str]:
+        return {r: v.decode() for r, v in self._present([self.key("hb", r) for r in ranks], ranks).items()}
+
+    def set_done(self, rank: int, committed: int) -> None:
+        self.store.set(self.key("done", rank), str(committed))
+
+    def done(self, ranks: list[int]) -> dict[int, int]:
+        return {r: int(v) for r, v in self._present([self.key("done", r) for r in ranks], ranks).items()}
+
+    def _present(self, keys: list[str], ranks: list[int]) -> dict[int, bytes]:
+        """Values of the keys that exist (get would block on a missing key)."""
+        if not keys:
+            return {}
+        if self.store.check(keys):
+            return dict(zip(ranks, self.store.multi_get(keys)))
+        have = [(r, k) for r, k in zip(ranks, keys) if self.store.check([k])]
+        if not have:
+            return {}
+        return dict(zip([r for r, _ in have], self.store.multi_get([k for _, k in have])))
+
+
+def now() -> float:
+    """Wall-clock time, the one clock every process of the job shares (one host; across hosts
+    it is as good as their clock sync)."""
+    return time.time()
+
+
+__all__ = ["Decision", "Gone", "JoinRecord", "Membership", "now"]

@@ -1,0 +1,229 @@
+"""The elastic controller end to end: real workers under resilient-run's Launcher, real
+SIGKILL/SIGSTOP, the recovered training compared bit for bit with fault-free runs.
+
+Kills are placed by the workers themselves (``--kill RANK:STEP:PHASE`` of the toy, a real
+SIGKILL at that point); steps and phases are drawn from a seeded RNG (the seed is in the test
+id, so a failure can be replayed). Stops come from the test, after a store key says the
+victim reached its step. Time bounds here are loose (a loaded 2-core machine); the benchmark
+asserts the targets.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from resilient_comm.elastic import EXIT_EVICTED, Decision, Membership
+from resilient_comm.elastic.toy import ToyJob
+
+STEPS = 30
+WORLD = 4
+SEED = int(os.environ.get("RESILIENT_COMM_TEST_SEED", "20261130"))
+
+
+def run(tmp: str, nproc: int, *args: str, timeout_s: float = 100.0) -> tuple[int, ToyJob]:
+    job = ToyJob(nproc, ["--steps", str(STEPS), *args], tmp).start()
+    return job.wait(timeout_s), job
+
+
+def dumps(job: ToyJob, ranks: list[int]) -> dict[int, dict[str, Any]]:
+    return {r: torch.load(os.path.join(job.workdir, "dump", f"final-{r}.pt"), weights_only=False) for r in ranks}
+
+
+def same_state(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def commits_by_rank(job: ToyJob) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for e in job.events():
+        if e["event"] == "commit":
+            out.setdefault(e["rank"], []).append(e["step"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+    """The fault-free run of all ranks: every committed state, by step."""
+    tmp = str(tmp_path_factory.mktemp("fault_free"))
+    trace = os.path.join(tmp, "trace.pt")
+    status, job = run(tmp, WORLD, "--trace", trace)
+    assert status == 0, job.events()
+    return torch.load(trace, weights_only=False)
+
+
+def reference(tmp: str, start: dict[str, Any], segments: list[tuple[int, list[int]]]) -> dict[str, Any]:
+    """Fault-free runs continuing from `start` ({step, state}): for each (resume step, members)
+    a run of those members (with their data streams) up to the next segment's resume step.
+    Returns the final state."""
+    for i, (resume, members) in enumerate(segments):
+        assert start["step"] == resume - 1
+        path = os.path.join(tmp, f"ref-start-{i}.pt")
+        torch.save(start, path)
+        end = segments[i + 1][0] if i + 1 < len(segments) else STEPS
+        trace = os.path.join(tmp, f"ref-trace-{i}.pt")
+        job = ToyJob(len(members), ["--steps", str(end), "--resume-from", path, "--trace", trace,
+                                    "--data-ids", ",".join(map(str, members))], os.path.join(tmp, f"ref{i}")).start()
+        assert job.wait(100) == 0, job.events()
+        start = torch.load(trace, weights_only=False)[end - 1]
+    return start["state"]
+
+
+def check_recovered(job: ToyJob, status: int, victims: list[int], recoveries: int) -> dict[int, dict[str, Any]]:
+    """Common checks; returns the survivors' dumps."""
+    assert status == 0, f"launcher status {status}"
+    survivors = [r for r in range(WORLD) if r not in victims]
+    d = dumps(job, survivors)
+    kills = {e["rank"]: e for e in job.events() if e["event"] == "kill"}
+    assert sorted(kills) == sorted(victims), kills
+    for r in survivors:
+        assert d[r]["members"] == survivors and d[r]["committed"] == STEPS - 1
+        assert len(d[r]["recoveries"]) == recoveries, d[r]["recoveries"]
+        assert same_state(d[r]["state"], d[survivors[0]]["state"]), f"replica {r} differs from {survivors[0]}"
+        for tl in d[r]["recoveries"]:
+            assert tl["ms"]["total"] < 3000, tl
+            assert any(c in tl["cause"] for c in ("PeerFailureError", "CommAbortedError")), tl["cause"]
+    # Every step committed exactly once on every survivor: none lost, none applied twice.
+    for r, steps in commits_by_rank(job).items():
+        if r in survivors:
+            assert steps == list(range(STEPS)), f"rank {r} committed {steps}"
+    gone = Membership(job.launcher.client(), job.launcher.namespace, WORLD).gone(victims)
+    for v in victims:
+        assert gone[v].kind == "exit" and gone[v].detail == "killed by SIGKILL", gone[v]
+    return d
+
+
+PHASES = ["start", "synced", "committed"]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("seed", [SEED])
+def test_sigkill_one_worker_matches_fault_free_run_on_survivors(tmp_path: Any, fault_free: dict[int, Any],
+                                                               seed: int) -> None:
+    rng = random.Random(seed)
+    victim, step, phase = rng.randrange(WORLD), rng.randrange(3, STEPS - 5), rng.choice(PHASES)
+    status, job = run(str(tmp_path / "elastic"), WORLD, "--kill", f"{victim}:{step}:{phase}",
+                      "--dump", str(tmp_path / "elastic" / "dump"))
+    d = check_recovered(job, status, [victim], recoveries=1)
+    tl = d[min(d)]["recoveries"][0]
+    resume = tl["resume_step"]
+    assert step <= resume <= step + 1, f"killed at {phase} of step {step}, resumed at {resume}"
+    want = reference(str(tmp_path), fault_free[resume - 1], [(resume, tl["members"])])
+    for r, v in d.items():
+        assert same_state(v["state"], want), f"rank {r}: recovered training differs from the fault-free run"
+
+
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize("seed", [SEED + 1])
+def test_sigkill_two_workers_at_random_steps(tmp_path: Any, fault_free: dict[int, Any], seed: int) -> None:
+    rng = random.Random(seed)
+    a, b = rng.sample(range(WORLD), 2)
+    sa = rng.randrange(3, STEPS - 14)
+    sb = rng.randrange(sa + 4, STEPS - 4)
+    status, job = run(str(tmp_path / "elastic"), WORLD, "--kill", f"{a}:{sa}:{rng.choice(PHASES)}",
+                      "--kill", f"{b}:{sb}:{rng.choice(PHASES)}", "--dump", str(tmp_path / "elastic" / "dump"))
+    d = check_recovered(job, status, [a, b], recoveries=2)
+    tls = d[min(d)]["recoveries"]
+    segments = [(tl["resume_step"], tl["members"]) for tl in tls]
+    assert segments[0][0] < segments[1][0] and len(segments[1][1]) == WORLD - 2, segments
+    want = reference(str(tmp_path), fault_free[segments[0][0] - 1], segments)
+    for r, v in d.items():
+        assert same_state(v["state"], want), f"rank {r}: recovered training differs from the fault-free run"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("seed", [SEED + 2])
+def test_second_kill_during_recovery_still_recovers(tmp_path: Any, fault_free: dict[int, Any], seed: int) -> None:
+    rng = random.Random(seed)
+    a, b = rng.sample(range(WORLD), 2)
+    step, during = rng.randrange(3, STEPS - 5), rng.choice(["joined", "agreed"])
+    status, job = run(str(tmp_path / "elastic"), WORLD, "--kill", f"{a}:{step}:{rng.choice(PHASES)}",
+                      "--kill", f"{b}:1:{during}", "--dump", str(tmp_path / "elastic" / "dump"))
+    d = check_recovered(job, status, [a, b], recoveries=1)
+    tl = d[min(d)]["recoveries"][0]
+    kill_b = next(e for e in job.events() if e["event"] == "kill" and e["rank"] == b)
+    assert kill_b["why"] == f"{during} of epoch 1", kill_b
+    if during == "agreed":  # epoch 1 included b: its rebuild failed, epoch 2 built afresh
+        assert tl["attempts"] == 2 and tl["epoch"] == 2 and tl["mode"] == "init", tl
+    want = reference(str(tmp_path), fault_free[tl["resume_step"] - 1], [(tl["resume_step"], tl["members"])])
+    for r, v in d.items():
+        assert same_state(v["state"], want), f"rank {r}: recovered training differs from the fault-free run"
+
+
+def _stop_at(job: ToyJob, victim: int, step: int) -> float:
+    """SIGSTOP `victim` once it starts `step`; returns the time of the stop."""
+    job.launcher.client().wait([f"toy/at/{victim}/{step}"], datetime.timedelta(seconds=60))
+    os.kill(job.pid(victim), signal.SIGSTOP)
+    return time.monotonic()
+
+
+@pytest.mark.timeout(120)
+def test_sigstop_shorter_than_the_slow_bound_evicts_nobody(tmp_path: Any) -> None:
+    victim, hold = 1, 0.3  # the silence bound is at least 1 s (DetectorConfig.silence_floor_s)
+    job = ToyJob(WORLD, ["--steps", str(STEPS), "--mark", f"{victim}:15"], str(tmp_path)).start()
+    _stop_at(job, victim, 15)
+    time.sleep(hold)  # hold the fault
+    os.kill(job.pid(victim), signal.SIGCONT)
+    assert job.wait(100) == 0
+    m = Membership(job.launcher.client(), job.launcher.namespace, WORLD)
+    assert m.epoch() == 0, f"a stop of {hold} s started a recovery: {m.decision(m.epoch())}"
+    assert all(g.kind == "exit" and g.detail == "exit code 0" for g in m.gone(list(range(WORLD))).values())
+    assert commits_by_rank(job) == {r: list(range(STEPS)) for r in range(WORLD)}
+
+
+@pytest.mark.timeout(120)
+def test_sigstop_past_the_slow_bound_evicts_the_stopped_worker(tmp_path: Any) -> None:
+    victim = 2
+    job = ToyJob(WORLD, ["--steps", str(STEPS), "--mark", f"{victim}:12"], str(tmp_path)).start()
+    stopped = _stop_at(job, victim, 12)
+    m = Membership(job.launcher.client(), job.launcher.namespace, WORLD)
+    m.store.wait([m.key("e", 1, "decision")], datetime.timedelta(seconds=20))
+    evicted_after = time.monotonic() - stopped
+    d = m.decision(1)
+    assert isinstance(d, Decision) and d.lost == [victim] and d.members == [0, 1, 3], d
+    g = m.gone([victim])[victim]
+    assert g.kind == "suspect" and "heartbeat silent for" in g.detail, g
+    # Silence counts from the last beat seen, which precedes the stop by up to one interval.
+    assert 0.9 <= evicted_after < 5.0, f"evicted {evicted_after:.2f} s after the stop (bound: 1 s floor)"
+    os.kill(job.pid(victim), signal.SIGCONT)  # it wakes up, finds itself evicted and leaves
+    assert job.wait(100) == 0
+    assert job.launcher.workers[victim].status == EXIT_EVICTED
+    evicted = [e for e in job.events() if e["event"] == "evicted"]
+    assert [e["rank"] for e in evicted] == [victim] and "was reported gone" in evicted[0]["why"], evicted
+    commits = commits_by_rank(job)
+    assert all(commits[r] == list(range(STEPS)) for r in (0, 1, 3)), commits
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seed", [SEED + 3])
+def test_mesh_tp2_dp2_one_death_evicts_its_whole_replica(tmp_path: Any, seed: int) -> None:
+    rng = random.Random(seed)
+    victim, step = rng.choice([0, 1]), rng.randrange(3, STEPS - 5)  # replica 0 = ranks 0 and 1
+    partner = 1 - victim
+    status, job = run(str(tmp_path), WORLD, "--tp", "2", "--kill", f"{victim}:{step}:{rng.choice(PHASES)}",
+                      "--dump", str(tmp_path / "dump"))
+    assert status == 0
+    assert job.launcher.workers[partner].status == EXIT_EVICTED
+    m = Membership(job.launcher.client(), job.launcher.namespace, WORLD)
+    d = m.decision(m.epoch())
+    assert d is not None and (d.lost, d.evicted, d.members, d.mesh) == ([victim], [partner], [2, 3],
+                                                                       {"tp": 2, "pp": 1, "dp": 1}), d
+    evicted = next(e for e in job.events() if e["event"] == "evicted")
+    assert evicted["rank"] == partner and "its replica lost" in evicted["why"], evicted
+    final = dumps(job, [2, 3])
+    assert same_state(final[2]["state"]["model"]["b2"], final[3]["state"]["model"]["b2"])  # replicated in TP
+    assert not same_state(final[2]["state"]["model"]["w1"], final[3]["state"]["model"]["w1"])  # sharded
+    assert commits_by_rank(job)[2] == list(range(STEPS))

@@ -1,0 +1,254 @@
+"""Unit tests of the elastic pieces that need no worker processes: the mesh policy, the
+membership protocol on a real TCPStore (port 0), the dead-vs-slow bounds and the timeline."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+
+import pytest
+import torch.distributed as dist
+
+from resilient_comm.elastic import (
+    Controller,
+    Decision,
+    Gone,
+    JoinRecord,
+    Membership,
+    Mesh,
+    RecoveryError,
+    Timeline,
+    plan_shrink,
+    prometheus,
+)
+from resilient_comm.elastic.detector import (
+    DetectorConfig,
+    PeerView,
+    StepTimes,
+    assess,
+    comm_cost_s,
+    slow_bound_s,
+)
+
+
+def test_mesh_layout_tp_fastest_then_pp_then_dp() -> None:
+    m = Mesh(tp=2, pp=2, dp=2)
+    assert m.size == 8 and m.replica_size == 4
+    assert m.coords(5) == {"tp": 1, "pp": 0, "dp": 1}
+    assert m.group_ranks(5, "tp") == [4, 5]
+    assert m.group_ranks(5, "pp") == [5, 7]
+    assert m.group_ranks(5, "dp") == [1, 5]
+    assert [m.replica_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert Mesh.for_world(12, tp=2, pp=3) == Mesh(tp=2, pp=3, dp=2)
+    with pytest.raises(ValueError, match="not a multiple of tp"):
+        Mesh.for_world(6, tp=4)
+    with pytest.raises(ValueError, match="positive int"):
+        Mesh(tp=0)
+    with pytest.raises(ValueError, match="unknown mesh dimension"):
+        m.group_index(0, "ep")
+
+
+def test_policy_dp_only_evicts_exactly_the_lost() -> None:
+    p = plan_shrink(Mesh(dp=5), {1, 3})
+    assert (p.stay, p.lost, p.evicted, p.mesh) == ((0, 2, 4), (1, 3), (), Mesh(dp=3))
+
+
+def test_policy_tp2_dp2_one_death_evicts_its_replica() -> None:
+    p = plan_shrink(Mesh(tp=2, dp=2), [1])
+    assert (p.stay, p.lost, p.evicted, p.mesh) == ((2, 3), (1,), (0,), Mesh(tp=2, dp=1))
+    assert p.leaves == (0, 1)
+
+
+def test_policy_pp_and_tp_groups_are_atomic() -> None:
+    m = Mesh(tp=2, pp=2, dp=3)
+    p = plan_shrink(m, [5])  # replica 1 = ranks 4..7
+    assert p.stay == (0, 1, 2, 3, 8, 9, 10, 11) and p.evicted == (4, 6, 7) and p.mesh == Mesh(tp=2, pp=2, dp=2)
+    # The survivors, renumbered in order, are again laid out tp-fastest: replica k is 4k..4k+3.
+    assert [p.mesh.replica_of(i) for i in range(len(p.stay))] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_policy_without_a_whole_replica_nobody_goes_on() -> None:
+    p = plan_shrink(Mesh(tp=2, dp=2), [0, 3])
+    assert p.stay == () and p.mesh is None and p.evicted == (1, 2)
+    with pytest.raises(ValueError, match="outside a mesh of 4"):
+        plan_shrink(Mesh(tp=2, dp=2), [4])
+
+
+@pytest.fixture
+def store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+
+
+def _decision(epoch: int, members: list[int], by: int = 0) -> Decision:
+    return Decision(epoch, members, Mesh(dp=len(members)).as_dict(), "shrink", 7, by=by)
+
+
+@pytest.mark.timeout(30)
+def test_epochs_are_proposed_by_compare_and_set_and_decided_once(store: dist.TCPStore) -> None:
+    a, b = Membership(store, "rc/t", 4), Membership(store.clone(), "rc/t", 4)  # type: ignore[attr-defined]
+    first = a.start(_decision(0, [0, 1, 2, 3]))
+    assert b.start(_decision(0, [9], by=5)) == first, "epoch 0 is written once"
+    assert a.epoch() == 0
+    assert (a.propose(0), b.propose(0)) == (1, 1), "concurrent proposers of epoch 1 agree"
+    assert b.decision(1) is None
+    winner = a.decide(_decision(1, [0, 2, 3], by=0))
+    assert b.decide(_decision(1, [2, 3], by=2)) == winner == b.decision(1), "exactly one decision"
+    assert b.propose(1) == 2 and a.propose(0) == 2, "a stale proposer learns the current epoch"
+    a.join(2, JoinRecord(0, 1, True, 5, 6))
+    b.join(2, JoinRecord(2, 1, False, 6, None))
+    assert a.joined(2, [0, 2, 3]) == {0: JoinRecord(0, 1, True, 5, 6), 2: JoinRecord(2, 1, False, 6, None)}
+
+
+@pytest.mark.timeout(30)
+def test_failure_reports_are_recorded_once_and_events_have_no_holes(store: dist.TCPStore) -> None:
+    m = Membership(store, "rc/t", 3)
+    assert m.report_gone(Gone(1, "exit", "killed by SIGKILL", 10.0, "launcher"))
+    assert not m.report_gone(Gone(1, "suspect", "heartbeat silent", 9.0, "rank 0")), "first evidence wins"
+    assert m.gone([0, 1, 2]) == {1: Gone(1, "exit", "killed by SIGKILL", 10.0, "launcher")}
+    assert [m.wait_wake(r) for r in range(3)] == ["event"] * 3, "every rank is woken"
+
+    posters = [Membership(store.clone(), "rc/t", 3) for _ in range(4)]  # type: ignore[attr-defined]
+    got: list[int] = []
+    threads = [threading.Thread(target=lambda p=p, i=i: got.append(p.post_event({"kind": "x", "i": i})))
+               for i, p in enumerate(posters)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(got) == [1, 2, 3, 4], "slots 1..4 claimed once each (slot 0 is the gone event)"
+    assert m.event(0) == {"kind": "gone", "rank": 1} and m.event(5) is None
+    assert sorted((m.event(i) or {})["i"] for i in range(1, 5)) == [0, 1, 2, 3]
+
+
+def test_decision_and_records_round_trip_through_json() -> None:
+    d = Decision(3, [0, 2], {"tp": 1, "pp": 1, "dp": 2}, "init", 11, [1], [], 0, 1.5, 1.25)
+    assert Decision.from_json(d.to_json()) == d and d.mesh_obj() == Mesh(dp=2)
+    assert json.loads(d.to_json())["resume_step"] == 11
+
+
+def _peer(**kw: float | str) -> PeerView:
+    v = PeerView(seq=3, step=10, phase="sync", changed_at=100.0, unchanged_reads=10)
+    for k, x in kw.items():
+        setattr(v, k, x)
+    return v
+
+
+def test_a_live_heartbeat_is_never_dead_and_silence_needs_the_adaptive_bound() -> None:
+    cfg = DetectorConfig()
+    assert assess(_peer(), 10, "sync", 100.9, cfg) is None, "0.9 s of silence < 1 s floor"
+    why = assess(_peer(), 10, "sync", 101.2, cfg)
+    assert why is not None and why.startswith("heartbeat silent for 1.20 s > bound 1.00 s")
+    assert assess(_peer(unchanged_reads=2), 10, "sync", 105.0, cfg) is None, "too few own reads: no evidence"
+    assert assess(_peer(seq=-1), 10, "sync", 200.0, cfg) is None, "a rank still starting is never suspected"
+    slow = _peer(p99_s=0.4, comm_s=0.05)  # bound = 10 * 0.4 + 0.05 = 4.05 s
+    assert assess(slow, 10, "sync", 104.0, cfg) is None
+    assert "bound 4.05 s" in (assess(slow, 10, "sync", 104.1, cfg) or "")
+
+
+def test_a_straggler_is_evicted_only_past_its_own_bound_while_others_wait() -> None:
+    cfg = DetectorConfig()
+    computing = _peer(phase="compute", elapsed_s=6.0, p99_s=0.2, changed_at=100.0)  # bound max(5, 2.0) = 5 s
+    why = assess(computing, 10, "sync", 100.05, cfg)
+    assert why is not None and "straggler: computing step 10 for 6.05 s > bound 5.00 s" in why
+    assert assess(computing, 10, "compute", 100.05, cfg) is None, "everyone computing: nobody waits on it"
+    assert assess(computing, 11, "sync", 100.05, cfg) is None, "an earlier step: not the one we wait for"
+    assert assess(computing, 10, "recovery", 100.05, cfg) is not None, "it holds up a recovery"
+    assert assess(_peer(phase="compute", elapsed_s=4.0, p99_s=0.2), 10, "sync", 100.05, cfg) is None
+
+
+def test_bounds_grow_with_step_time_and_message_cost() -> None:
+    assert slow_bound_s(0.0, 0.0, 1.0, 10.0) == 1.0
+    assert slow_bound_s(0.3, 0.5, 1.0, 10.0) == pytest.approx(3.5)
+    assert comm_cost_s(0, 8) == 0.0 == comm_cost_s(1 << 20, 1)
+    assert 0 < comm_cost_s(1 << 10, 4) < comm_cost_s(1 << 20, 4) < comm_cost_s(1 << 30, 4)
+    t = StepTimes(100)
+    for i in range(100):
+        t.add(0.01 * (i + 1))
+    assert t.p99() == pytest.approx(0.99) and StepTimes(5).p99() == 0.0
+
+
+def test_timeline_durations_log_line_and_metrics() -> None:
+    tl = Timeline(rank=2, cause="PeerFailureError: x", epoch=1)
+    for i, phase in enumerate(("failure", "detected", "aborted", "agreed", "rebuilt", "restored", "first_commit")):
+        tl.mark(phase, 100.0 + 0.01 * i)
+    ms = tl.durations_ms()
+    assert ms["detected"] == pytest.approx(10.0) and ms["total"] == pytest.approx(60.0)
+    line = tl.log_line()
+    assert line.startswith("recovery {") and json.loads(line[len("recovery "):])["ms"] == ms
+    text = prometheus([tl])
+    assert "resilient_comm_recoveries_total 1" in text
+    assert 'resilient_comm_recovery_phase_seconds{phase="total"} 0.060000' in text
+    with pytest.raises(ValueError, match="unknown recovery phase"):
+        tl.mark("restarted")
+
+
+class _State:
+    """A Stateful that records loads."""
+
+    def __init__(self) -> None:
+        self.loaded: list[dict] = []
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.loaded.append(sd)
+
+
+def _bare(store: dist.TCPStore, **fields: object) -> Controller:
+    """A Controller with only the fields the commit protocol reads (no processes, no groups)."""
+    c = object.__new__(Controller)
+    defaults = {"rank": 0, "_hook": None, "_m": Membership(store, "rc/u", 4), "_pending": None, "_dirty": False,
+                "_snapshot": None, "_state": None, "committed": -1, "next_step": 0}
+    for k, v in {**defaults, **fields}.items():
+        setattr(c, k, v)
+    return c
+
+
+def _join(rank: int, committed: int, pending: int | None = None, applied: int = 0, ready: bool = True) -> JoinRecord:
+    return JoinRecord(rank, applied, ready, committed, pending)
+
+
+def test_decision_resumes_after_the_highest_commit_and_checks_the_invariant(store: dist.TCPStore) -> None:
+    c = _bare(store)
+    base = Decision(0, [0, 1, 2, 3], Mesh(dp=4).as_dict(), "init", 0)
+    gone = {2: Gone(2, "exit", "killed by SIGKILL", 5.0, "launcher")}
+    d = c._decide(1, base, {0: _join(0, 7), 1: _join(1, 6, pending=7), 3: _join(3, 7)}, gone)
+    assert (d.members, d.lost, d.resume_step, d.mode, d.failed_at) == ([0, 1, 3], [2], 8, "shrink", 5.0)
+    fresh = c._decide(1, base, {0: _join(0, 7), 1: _join(1, 7, ready=False), 3: _join(3, 7)}, gone)
+    assert fresh.mode == "init", "a member whose groups were not verified: build afresh"
+    same = c._decide(1, base, {r: _join(r, 7) for r in range(4)}, {})
+    assert (same.members, same.mode) == ([0, 1, 2, 3], "init"), "nobody left: a new group, same members"
+    bad = c._decide(1, base, {0: _join(0, 7), 1: _join(1, 6), 3: _join(3, 7)}, gone)
+    assert bad.mode == "fail" and bad.note.startswith("commit protocol violated: [1]"), bad
+
+
+def test_decision_counts_a_finished_member_and_fails_without_a_whole_replica(store: dist.TCPStore) -> None:
+    c = _bare(store)
+    c._m.set_done(2, 9)  # rank 2 committed the last step, then exited
+    base = Decision(0, [0, 1, 2, 3], Mesh(dp=4).as_dict(), "init", 0)
+    d = c._decide(1, base, {0: _join(0, 8, pending=9), 1: _join(1, 9), 3: _join(3, 9)}, {})
+    assert d.resume_step == 10 and d.members == [0, 1, 3]
+    tp = Decision(0, [0, 1, 2, 3], Mesh(tp=2, dp=2).as_dict(), "init", 0)
+    d = c._decide(1, tp, {1: _join(1, 3), 2: _join(2, 3)}, {})
+    assert (d.mode, d.members, d.lost, d.evicted) == ("fail", [], [0, 3], [1, 2])
+    assert d.note == "no replica survived (lost [0, 3])"
+
+
+def test_restore_rolls_forward_exactly_once_or_back_to_the_snapshot(store: dist.TCPStore) -> None:
+    applied: list[int] = []
+    events: list[tuple[str, dict]] = []
+    d = Decision(1, [0, 1], Mesh(dp=2).as_dict(), "shrink", 8)
+    c = _bare(store, committed=6, _pending=(7, lambda: applied.append(7)), _dirty=True,
+              _hook=lambda e, i: events.append((e, i)))
+    c._restore(d)
+    assert (applied, c.committed, c.next_step, c._pending) == ([7], 7, 8, None)
+    assert events == [("step.committed", {"step": 7, "rolled_forward": True})]
+    state = _State()
+    c = _bare(store, committed=7, _pending=(8, lambda: applied.append(8)), _dirty=True, _state=state,
+              _snapshot=(8, {"w": 1}))
+    c._restore(d)
+    assert (state.loaded, applied, c.committed, c.next_step) == ([{"w": 1}], [7], 7, 8), "step 8 undone"
+    with pytest.raises(RecoveryError, match="committed 5, cannot resume at 8"):
+        _bare(store, committed=5)._restore(d)
