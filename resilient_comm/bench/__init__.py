@@ -1,6 +1,11 @@
-"""Benchmarks for resilient_comm.
+"""Benchmarks for resilient_comm (``resilient-comm bench <name>``; tables in benchmarks/README.md).
 
-- :mod:`resilient_comm.bench.collectives`: latency and bandwidth of the CPU collectives of the
-  ``resilient_tcp`` backend against gloo, measured in the same worker processes
-  (``resilient-comm bench collectives`` or ``python benchmarks/collectives.py``).
+- :mod:`~resilient_comm.bench.collectives`: latency and bandwidth of the CPU collectives of
+  ``resilient_tcp`` against gloo, in the same worker processes.
+- :mod:`~resilient_comm.bench.overhead`: ``dist.all_reduce`` on ``resilient_tcp`` against the
+  bare communicator and against gloo.
+- :mod:`~resilient_comm.bench.primitives`: init, abort, shrink (against a full re-init), split
+  and grow latency, measured by the C++ program in benchmarks/cpp.
+- :mod:`~resilient_comm.bench.recovery`: SIGKILL to the first committed step with the elastic
+  controller, against a torchrun restart from checkpoint.
 """
