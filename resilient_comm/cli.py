@@ -1,4 +1,4 @@
-"""The `resilient-comm` command: demo, bench {collectives,overhead,primitives,recovery}, sim, doctor."""
+"""The `resilient-comm` command: demo, bench {checkpoint,collectives,overhead,primitives,recovery}, sim, doctor."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _bench(argv: list[str]) -> int:
     suites = {
+        "checkpoint": "resilient_comm.bench.checkpoint",
         "collectives": "resilient_comm.bench.collectives",
         "overhead": "resilient_comm.bench.overhead",
         "primitives": "resilient_comm.bench.primitives",

@@ -200,7 +200,8 @@ def _bare(store: dist.TCPStore, **fields: object) -> Controller:
     """A Controller with only the fields the commit protocol reads (no processes, no groups)."""
     c = object.__new__(Controller)
     defaults = {"rank": 0, "_hook": None, "_m": Membership(store, "rc/u", 4), "_pending": None, "_dirty": False,
-                "_snapshot": None, "_state": None, "committed": -1, "next_step": 0}
+                "_snapshot": None, "_state": None, "committed": -1, "next_step": 0,
+                "_ckpt_dir": None, "_ckpt": None}
     for k, v in {**defaults, **fields}.items():
         setattr(c, k, v)
     return c
@@ -220,8 +221,14 @@ def test_decision_resumes_after_the_highest_commit_and_checks_the_invariant(stor
     assert fresh.mode == "init", "a member whose groups were not verified: build afresh"
     same = c._decide(1, base, {r: _join(r, 7) for r in range(4)}, {})
     assert (same.members, same.mode) == ([0, 1, 2, 3], "init"), "nobody left: a new group, same members"
-    bad = c._decide(1, base, {0: _join(0, 7), 1: _join(1, 6), 3: _join(3, 7)}, gone)
-    assert bad.mode == "fail" and bad.note.startswith("commit protocol violated: [1]"), bad
+    # A member behind the committed step (say a spare placed in an epoch whose copy failed)
+    # gets the state of a member with the same shard.
+    behind = c._decide(1, base, {0: _join(0, 7), 1: _join(1, -1), 3: _join(3, 7)}, gone)
+    assert (behind.mode, behind.restore, behind.sources, behind.resume_step) == ("shrink", "peer", [[1, 0]], 8), behind
+    # Without a member holding its shard (and no checkpoint): fail rather than diverge.
+    tp_base = Decision(0, [0, 1, 2, 3], Mesh(tp=2, dp=2).as_dict(), "init", 0)
+    bad = c._decide(1, tp_base, {0: _join(0, 7), 1: _join(1, 6), 2: _join(2, 7), 3: _join(3, 6)}, {})
+    assert bad.mode == "fail" and bad.note.startswith("members [1, 3] are behind step 7"), bad
 
 
 def test_decision_counts_a_finished_member_and_fails_without_a_whole_replica(store: dist.TCPStore) -> None:

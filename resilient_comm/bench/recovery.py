@@ -16,6 +16,12 @@ step, after writing the time of its death. Per repetition and world size, altern
   hangs unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (the rendezvous store keeps the
   old generation's keys), so that variable is set; ``--torchrun-default`` adds runs without
   it, reported as "no recovery" after ``--torchrun-timeout``.
+- **hot spare** (``--spares K``, system ``ours-spare``): the same job under ``resilient-run
+  --spares K``; the spare is warm (registered) before the kill, takes the dead rank's place
+  and receives its state from a peer. Measured: kill -> the first step committed by every
+  member with the world size restored (the spare's included). ``--features``/``--hidden``/
+  ``--dtype`` size the model (``--features 2500 --hidden 4000 --dtype float32``: ~10M
+  parameters, the issue's setting).
 - **heartbeats alone** (``--sigstop-reps``): a worker is SIGSTOPped (no exit, no socket
   error: only its silent heartbeat tells), then measured: stop -> suspicion reaching the
   survivors, stop -> first committed step without it.
@@ -47,6 +53,7 @@ from resilient_comm.elastic.toy import ToyJob, read_events
 
 FIX = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 TARGETS = {4: 0.5, 8: 1.0}  # s, kill -> first committed step, median
+SPARE_TARGET = 2.5  # s, kill -> first committed step with the world size restored, median
 
 
 @dataclass
@@ -77,19 +84,28 @@ class Settings:
     ckpt_every: int
     step_ms: float
     timeout_s: float
+    features: int = 16
+    hidden: int = 32
+    dtype: str = "float64"
 
     def toy_args(self, workdir: str) -> list[str]:
         return ["--steps", str(self.steps), "--ckpt", os.path.join(workdir, "ckpt.pt"), "--ckpt-every",
-                str(self.ckpt_every), "--step-ms", str(self.step_ms)]
+                str(self.ckpt_every), "--step-ms", str(self.step_ms), "--features", str(self.features),
+                "--hidden", str(self.hidden), "--dtype", self.dtype]
+
+    @property
+    def params(self) -> int:
+        return self.hidden * (self.features + 5) + 4
 
 
 def _from_timelines(run: Run, fault_t: float, events: list[dict[str, Any]]) -> None:
     """Fill `run` from the survivors' recovery timelines."""
-    tls = [e["timeline"] for e in events if e["event"] == "recovery"]
+    every = [e["timeline"] for e in events if e["event"] == "recovery"]
+    tls = [tl for tl in every if tl["cause"] != "placed as a hot spare"]  # survivors' (detection)
     if not tls:
         return
-    run.recovered, run.timelines, run.fault_t = True, tls, fault_t
-    run.first_commit_s = max(tl["t"]["first_commit"] for tl in tls) - fault_t
+    run.recovered, run.timelines, run.fault_t = True, every, fault_t
+    run.first_commit_s = max(tl["t"]["first_commit"] for tl in every) - fault_t
     run.detected_s = max(tl["t"]["detected"] for tl in tls) - fault_t
     reports = [tl["via"]["exit_report"] for tl in tls if "exit_report" in tl["via"]]
     run.exit_report_s = max(reports) - fault_t if len(reports) == len(tls) else None
@@ -102,14 +118,25 @@ def _from_timelines(run: Run, fault_t: float, events: list[dict[str, Any]]) -> N
     run.redone = last + 2 - run.resume_step
 
 
-def run_ours(nproc: int, rep: int, s: Settings, root: str, sigstop: bool = False) -> Run:
+def run_ours(nproc: int, rep: int, s: Settings, root: str, sigstop: bool = False, spares: int = 0) -> Run:
     from resilient_comm.elastic.membership import Membership
 
     workdir = tempfile.mkdtemp(prefix=f"ours{nproc}-{rep}-", dir=root)
     victim = nproc // 2
     fault = ["--mark", f"{victim}:{s.kill_step}"] if sigstop else ["--kill", f"{victim}:{s.kill_step}:start"]
-    job = ToyJob(nproc, [*s.toy_args(workdir), *fault], workdir, quiet=True).start()
-    run = Run("ours-sigstop" if sigstop else "ours", nproc, rep, False)
+    hold = s.kill_step - 1
+    if spares:
+        fault += ["--hold", f"0:{hold}"]  # the spares register before the kill (they start in ~1-2 s)
+    job = ToyJob(nproc, [*s.toy_args(workdir), *fault], workdir, quiet=True, spares=spares).start()
+    run = Run("ours-sigstop" if sigstop else "ours-spare" if spares else "ours", nproc, rep, False)
+    if spares:
+        client = job.launcher.client()
+        m = Membership(client, job.launcher.namespace, nproc)
+        deadline = time.monotonic() + s.timeout_s
+        while len(m.spares()) < spares and time.monotonic() < deadline:
+            time.sleep(0.05)  # pacing a bounded poll for the registration
+        client.wait([f"toy/held/0/{hold}"])
+        client.set(f"toy/go/{hold}", "1")
     fault_t = None
     if sigstop:
         client = job.launcher.client()
@@ -246,10 +273,10 @@ def report(runs: list[Run]) -> tuple[str, list[str]]:
             f"{_fmt(_stat([r.suspicion_s for r in rs])[0], 'ms'):>9} | {max(redone) if redone else '-':>6}")
     ours = [r for r in runs if r.system == "ours"]
     lines.append("")
-    for n in sorted({r.nproc for r in ours}):
-        rs = [r for r in ours if r.nproc == n and r.phases_ms]
+    for system, n in sorted({(r.system, r.nproc) for r in runs if r.system in ("ours", "ours-spare")}):
+        rs = [r for r in runs if r.system == system and r.nproc == n and r.phases_ms]
         if rs:
-            lines.append(f"ours, {n} ranks, recovery phases (ms, median over runs of the survivors' median): "
+            lines.append(f"{system}, {n} ranks, recovery phases (ms, median over runs of the survivors' median): "
                          + ", ".join(f"{p} {statistics.median(r.phases_ms.get(p, 0.0) for r in rs):.1f}"
                                      for p in rs[0].phases_ms))
     verdicts = []
@@ -272,6 +299,14 @@ def report(runs: list[Run]) -> tuple[str, list[str]]:
     if any(r.system == "ours-sigstop" for r in runs):
         verdicts.append(f"target: detection through heartbeats alone <= 1.5 s median: "
                         f"{'MET' if hb is not None and hb <= 1.5 else 'NOT MET'} ({_fmt(hb)})")
+    for n in sorted({r.nproc for r in runs if r.system == "ours-spare"}):
+        rs = [r for r in runs if r.system == "ours-spare" and r.nproc == n]
+        m = _stat([r.first_commit_s for r in rs])[0]
+        kept = all(r.world_after == n for r in rs if r.recovered)
+        verdicts.append(f"target: hot spare, SIGKILL -> first committed step with the world size restored <= "
+                        f"{SPARE_TARGET} s median at {n} ranks: "
+                        f"{'MET' if m is not None and m <= SPARE_TARGET and kept else 'NOT MET'} ({_fmt(m)}"
+                        f"{'' if kept else ', world size NOT kept'})")
     redone = [r.redone for r in ours if r.redone is not None]
     if redone:
         verdicts.append(f"target: <= 1 step redone (ours): {'MET' if max(redone) <= 1 else 'NOT MET'} "
@@ -289,6 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-ms", type=float, default=0.0, help="extra time per step standing for compute")
     p.add_argument("--sigstop-reps", type=int, default=5, help="heartbeat-only detection runs at the first size")
     p.add_argument("--no-torchrun", action="store_true", help="ours only")
+    p.add_argument("--spares", type=int, default=0, metavar="K",
+                   help="also runs with K hot spares (system ours-spare); with --spares-only, only those")
+    p.add_argument("--spares-only", action="store_true", help="only the hot-spare runs")
+    p.add_argument("--features", type=int, default=16, help="toy model input width (default 16)")
+    p.add_argument("--hidden", type=int, default=32, help="toy model hidden width (default 32)")
+    p.add_argument("--dtype", default="float64", choices=("float64", "float32"), help="toy model dtype")
     p.add_argument("--torchrun-default", type=int, default=0, metavar="N",
                    help="also N runs per size of torchrun without TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
     p.add_argument("--timeout", type=float, default=120.0, help="bound on one run, seconds")
@@ -296,16 +337,22 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     nprocs = [int(x) for x in a.nprocs.split(",")]
     logging.getLogger("resilient_comm.launcher").setLevel(logging.ERROR)  # exits are expected here
-    s = Settings(a.steps, a.kill_step, a.ckpt_every, a.step_ms, a.timeout)
+    if a.spares_only and not a.spares:
+        p.error("--spares-only needs --spares K")
+    s = Settings(a.steps, a.kill_step, a.ckpt_every, a.step_ms, a.timeout, a.features, a.hidden, a.dtype)
     runs: list[Run] = []
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as root:
         for n in nprocs:
             for rep in range(a.reps):
                 order = ["ours", "torchrun"] if rep % 2 == 0 else ["torchrun", "ours"]
+                if a.spares:
+                    order = ["ours-spare"] if a.spares_only else [*order, "ours-spare"]
                 for system in order:
                     if system == "ours":
                         runs.append(run_ours(n, rep, s, root))
+                    elif system == "ours-spare":
+                        runs.append(run_ours(n, rep, s, root, spares=a.spares))
                     elif not a.no_torchrun:
                         runs.append(run_torchrun(n, rep, s, root, fix=True))
                     r = runs[-1]
@@ -315,14 +362,15 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(run_torchrun(n, rep, s, root, fix=False))
                 print(f"  torchrun-default {n} ranks rep {rep}: {_fmt(runs[-1].first_commit_s)}  {runs[-1].note}",
                       flush=True)
-        for rep in range(a.sigstop_reps):
+        for rep in range(0 if a.spares_only else a.sigstop_reps):
             runs.append(run_ours(nprocs[0], rep, s, root, sigstop=True))
             print(f"  ours-sigstop     {nprocs[0]} ranks rep {rep}: stop->suspicion {_fmt(runs[-1].suspicion_s)}",
                   flush=True)
     table, verdicts = report(runs)
     print()
     print(f"SIGKILL -> first committed step ({a.reps} reps; steps {a.steps}, kill at step {a.kill_step}, "
-          f"checkpoint every {a.ckpt_every}; {time.time() - started:.0f} s)")
+          f"checkpoint every {a.ckpt_every}; model {s.params / 1e6:.1f}M parameters, {s.dtype}; "
+          f"{time.time() - started:.0f} s)")
     print(table)
     print()
     print("\n".join(verdicts))

@@ -3,7 +3,10 @@
 - `Controller` wraps the training loop (commit protocol, recovery, timelines).
 - `Membership` keeps epochs, decisions and failure reports on the launcher's store.
 - `Detector` turns exit reports, heartbeats and dead-vs-slow bounds into evidence.
-- `Mesh` / `plan_shrink`: the mesh-aware shrink policy (a TP/PP group is atomic).
+- `Mesh` / `plan` / `plan_shrink`: the mesh-aware policy (hot spares fill lost places; without
+  one a TP/PP group is atomic and its whole replica leaves).
+- `TrainState`: a state provider (model, optimizer, RNG, extra state) for the controller;
+  `statesync` copies a state between members as tensors (hot spares, laggards).
 - `Launcher` (the ``resilient-run`` command) hosts the store, starts workers, reports exits.
 
 docs/elastic.md describes the protocol, the bounds and what a user sees.
@@ -14,13 +17,15 @@ from resilient_comm.elastic.controller import (
     Controller,
     Evicted,
     Groups,
+    Place,
     RecoveryError,
     Step,
+    TrainState,
 )
 from resilient_comm.elastic.detector import Detector, DetectorConfig
 from resilient_comm.elastic.launcher import Launcher
 from resilient_comm.elastic.membership import Decision, Gone, JoinRecord, Membership
-from resilient_comm.elastic.policy import Mesh, Plan, plan_shrink
+from resilient_comm.elastic.policy import Mesh, Plan, plan, plan_shrink
 from resilient_comm.elastic.timeline import Timeline, prometheus
 
 __all__ = [
@@ -36,10 +41,13 @@ __all__ = [
     "Launcher",
     "Membership",
     "Mesh",
+    "Place",
     "Plan",
     "RecoveryError",
     "Step",
     "Timeline",
+    "TrainState",
+    "plan",
     "plan_shrink",
     "prometheus",
 ]

@@ -37,6 +37,24 @@ and split it into the dp/tp/pp groups, verified by one collective -> restore -> 
 failure during a recovery just starts the next epoch. A rank absent from a decision raises
 `Evicted`; when no replica survives, `RecoveryError`. Each recovery leaves a `Timeline`.
 
+**Hot spares** (``resilient-run --spares K``): a spare process runs the same script; its
+`Controller` registers it with the membership and blocks, warm, until a decision gives it a
+lost rank's place (same rank, same tp/pp/dp coordinates: the world size and mesh are kept;
+`slot` says whose place, for data streams). The groups are then built afresh with the
+spare at that rank, the survivors restore the committed step as above, and the spare --
+like any member behind the committed step -- receives the state of a *donor*, a member with
+the same tp/pp coordinates in another replica, over the new world group as tensors
+(`statesync`: nothing received is unpickled). When no such donor exists and a checkpointer
+is configured, every member loads the newest checkpoint complete for the whole mesh instead
+(the job resumes after that step); with neither, the spare is not used and the policy
+shrinks. When the job ends, waiting spares leave: `steps()` yields nothing on them.
+
+**Checkpoints** (``checkpoint_dir``, ``checkpoint_every``): the state after every
+``checkpoint_every``-th committed step is saved asynchronously (`resilient_comm.checkpoint`),
+from the step-start snapshot (a private copy: its host copy runs while the next step computes,
+nothing waits); with ``snapshot=False``, from the live state, and the next step waits for the
+host copy before it starts (its forward may change buffers in place).
+
 **Data parallel after a shrink**: every surviving replica keeps its per-rank batch (and its
 data stream); the global batch shrinks with the DP size and gradients are averaged over the
 survivors. The learning rate is not rescaled (``ctl.dp_size`` is there for who wants to).
@@ -47,6 +65,7 @@ from __future__ import annotations
 import atexit
 import copy
 import datetime
+import logging
 import os
 import threading
 import time
@@ -64,12 +83,16 @@ import resilient_comm
 from resilient_comm.api import _backend
 from resilient_comm.elastic.detector import Detector, DetectorConfig
 from resilient_comm.elastic.membership import Decision, Gone, JoinRecord, Membership, now
-from resilient_comm.elastic.policy import DIMS, Mesh, plan_shrink
+from resilient_comm.elastic.policy import DIMS, Mesh, plan
+from resilient_comm.elastic.statesync import recv_state, send_state
 from resilient_comm.elastic.timeline import Timeline
 from resilient_comm.groups import _adopt
 
 ENV_STORE = "RESILIENT_COMM_STORE"  # host:port of the launcher's store
 ENV_NAMESPACE = "RESILIENT_COMM_NAMESPACE"  # this run's key prefix in it
+ENV_SPARE = "RESILIENT_COMM_SPARE"  # "1" in a hot spare (its RANK is a spare id >= WORLD_SIZE)
+log = logging.getLogger("resilient_comm.elastic")
+
 EXIT_EVICTED = 3  # exit status of a worker the membership evicted (the launcher ignores it)
 
 
@@ -86,6 +109,52 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where this process sits in the current mesh. `slot` is the launch rank whose place it
+    holds (itself, or for a hot spare the rank it replaced): use it for per-rank data streams."""
+
+    rank: int
+    slot: int
+    coords: dict[str, int]
+
+
+StateFactory = Callable[[Place], Stateful]
+
+
+class TrainState:
+    """A state provider bundling what a member needs to resume: model, optimizer, the RNG
+    states of this process, and extra state (a data loader's position, counters...): any
+    object with ``state_dict()``/``load_state_dict()``. Pass it as the controller's `state`."""
+
+    def __init__(self, model: Stateful, optimizer: Stateful | None = None, extra: Stateful | None = None,
+                 rng: bool = True) -> None:
+        self.model, self.optimizer, self.extra, self.rng = model, optimizer, extra, rng
+
+    def state_dict(self) -> dict[str, Any]:
+        sd: dict[str, Any] = {"model": self.model.state_dict()}
+        if self.optimizer is not None:
+            sd["optimizer"] = self.optimizer.state_dict()
+        if self.extra is not None:
+            sd["extra"] = self.extra.state_dict()
+        if self.rng:
+            sd["rng"] = {"torch": torch.get_rng_state()}
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                sd["rng"]["cuda"] = torch.cuda.get_rng_state()
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.model.load_state_dict(sd["model"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(sd["optimizer"])
+        if self.extra is not None:
+            self.extra.load_state_dict(sd["extra"])
+        if self.rng and "rng" in sd:
+            torch.set_rng_state(sd["rng"]["torch"].clone())
+            if "cuda" in sd["rng"] and torch.cuda.is_available():
+                torch.cuda.set_rng_state(sd["rng"]["cuda"].clone())
 
 
 @dataclass(frozen=True)
@@ -142,7 +211,7 @@ class Controller:
 
     def __init__(
         self,
-        state: Stateful | None = None,
+        state: Stateful | StateFactory | None = None,
         *,
         tp: int = 1,
         pp: int = 1,
@@ -154,28 +223,49 @@ class Controller:
         snapshot: bool = True,
         hook: Callable[[str, dict[str, Any]], None] | None = None,
         max_recoveries_per_step: int = 5,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int = 0,
+        checkpoint_keep: int = 3,
     ) -> None:
+        """`state`: the state provider (``state_dict``/``load_state_dict``: a module, a
+        `TrainState`, ...), or a factory called with this process's `Place` once it is known
+        (a hot spare learns its place only when it is given one: a pipeline stage's model
+        depends on it). On a hot spare the constructor blocks until the spare is placed or
+        the job ends."""
         env = os.environ
         missing = [k for k in ("RANK", "WORLD_SIZE", ENV_STORE, ENV_NAMESPACE) if k not in env]
         if missing:
             raise RuntimeError(f"Controller needs {missing} in the environment: start workers with resilient-run")
+        if checkpoint_every < 0 or (checkpoint_every and checkpoint_dir is None):
+            raise ValueError(f"checkpoint_every={checkpoint_every} needs checkpoint_dir and must be >= 0")
         self.rank = int(env["RANK"])
+        self.is_spare = env.get(ENV_SPARE) == "1"
         world = int(env["WORLD_SIZE"])
-        self._state = state
+        self._state_arg = state
+        self._state: Stateful | None = None if callable(state) and not hasattr(state, "state_dict") else state  # type: ignore[assignment]
         self._backend = backend
         self._timeout = timeout or dist.default_pg_timeout
         self._comm_bytes = comm_bytes
         self._snapshot_on = snapshot and state is not None
         self._hook = hook
         self._max_per_step = max_recoveries_per_step
+        self._ckpt_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
+        self._ckpt_every, self._ckpt_keep = checkpoint_every, checkpoint_keep
+        self._ckpt: Any = None  # AsyncCheckpointer of this process's current rank
+        self._ckpt_rank = -1
         host, port = env[ENV_STORE].rsplit(":", 1)
         store = dist.TCPStore(host, int(port), None, False, timeout=self._timeout)
         self._m = Membership(store, env[ENV_NAMESPACE], world)
         initial = Decision(0, list(range(world)), Mesh.for_world(world, tp, pp).as_dict(), "init", start_step)
-        self._decision = self._m.start(initial)
-        if self._decision.mesh != initial.mesh or self._decision.resume_step != start_step:
-            raise ValueError(f"rank {self.rank} starts with mesh {initial.mesh} at step {start_step}, but the job "
-                             f"started with mesh {self._decision.mesh} at step {self._decision.resume_step}")
+        if self.is_spare:
+            if self.rank < world:
+                raise RuntimeError(f"a spare's id must be >= WORLD_SIZE {world}, got RANK={self.rank}")
+            self._decision = self._m.decision(0) or initial
+        else:
+            self._decision = self._m.start(initial)
+            if self._decision.mesh != initial.mesh or self._decision.resume_step != start_step:
+                raise ValueError(f"rank {self.rank} starts with mesh {initial.mesh} at step {start_step}, but the "
+                                 f"job started with mesh {self._decision.mesh} at step {self._decision.resume_step}")
         self.applied_epoch = 0
         self.committed = start_step - 1
         self.next_step = start_step
@@ -196,10 +286,17 @@ class Controller:
         self._detected_at: float | None = None
         self._fatal: str | None = None
         self._finished = False
+        self._idle = False  # a spare that was never placed: nothing to run
         self._detector = Detector(self._m, self.rank, detector or DetectorConfig(), self._on_gone, self._on_store_lost)
-        self._detector.start()
         atexit.register(self._detector.stop)  # also when the script never calls close()
+        if self.is_spare:
+            self._watching = set()
+            self._detector.start(events=False)
+            self._spare_wait()
+            return
+        self._detector.start()
         self._detector.watch(initial.members, comm_bytes)
+        self._resolve_state()
         if self._m.epoch() != 0:
             self._recover(RuntimeError(f"rank {self.rank} started after the job moved past epoch 0"), op_error=False)
             return
@@ -207,6 +304,55 @@ class Controller:
             self._build(self._decision, None)
         except dist.DistBackendError as e:
             self._recover(e, op_error=True)
+
+    def _spare_wait(self) -> None:
+        """A hot spare: wait warm until a decision places this spare, then join that epoch
+        as a member (build its groups, receive the state); or leave when the job ends."""
+        self._m.register_spare(self.rank)
+        waiter = self._m.clone(timeout=datetime.timedelta(seconds=1))
+        log.info("spare %d waiting warm", self.rank)
+        seen = 0
+        while True:
+            if self._m.finished():
+                self._idle = True
+                self._detector.stop()
+                log.info("spare %d: the job ended without needing it", self.rank)
+                return
+            current = self._m.epoch()
+            for e in range(seen + 1, current + 1):
+                d = self._m.decision(e)
+                if d is None:
+                    break
+                seen = e
+                if self.rank in d.joiners:
+                    self._place(d)
+                    return
+            try:
+                waiter.wait_wake(self.rank)  # pushed by the decider that places us (and on events)
+            except dist.DistStoreError:
+                pass  # a second without news: look again (and at the end of the job)
+
+    def _place(self, d: Decision) -> None:
+        log.info("spare %d takes rank %d's place (epoch %d)", self.rank, d.slots[d.members.index(self.rank)]
+                 if d.slots else -1, d.epoch)
+        self.committed, self.next_step = -1, d.resume_step
+        self._detector.start_events()
+        tl = Timeline(self.rank, "placed as a hot spare")
+        tl.mark("failure", d.failed_at or now())
+        tl.mark("detected", d.t)
+        tl.mark("aborted", d.t)
+        tl.mark("agreed")
+        try:
+            self._build(d, None)
+            tl.mark("rebuilt")
+            self._restore(d)
+        except dist.DistBackendError as e:
+            self._recover(e, op_error=True)
+            return
+        tl.mark("restored")
+        self._emit("recovery.restored", epoch=d.epoch, step=self.next_step, members=d.members, place=self.place)
+        tl.epoch, tl.resume_step, tl.members, tl.mode = d.epoch, d.resume_step, d.members, d.mode
+        self._timeline = tl
 
     # -- what the training loop sees ------------------------------------------------------
 
@@ -228,11 +374,34 @@ class Controller:
     def dp_size(self) -> int:
         return self.mesh.dp
 
+    @property
+    def place(self) -> Place:
+        """This process's rank in the current world, its slot and mesh coordinates."""
+        d = self._decision
+        if self.rank not in d.members:
+            raise RuntimeError(f"process {self.rank} is not a member (a spare that was never placed)")
+        me = d.members.index(self.rank)
+        return Place(me, d.slots[me] if d.slots else d.members[me], d.mesh_obj().coords(me))
+
+    @property
+    def slot(self) -> int:
+        """The launch rank whose place this process holds (see `Place`)."""
+        return self.place.slot
+
+    @property
+    def state(self) -> Stateful | None:
+        """The state provider (made by the factory once the place was known)."""
+        return self._state
+
+    def _resolve_state(self) -> None:
+        if self._state is None and self._state_arg is not None:
+            self._state = self._state_arg(self.place)  # type: ignore[operator]
+
     def steps(self, total: int) -> Iterator[Step]:
         """Steps to run until every member has committed step total-1; recoveries move
         `next_step` (the iterator follows it), and a member that finished helps any late
         recovery before it returns."""
-        while True:
+        while not self._idle:
             if self.next_step < total:
                 yield Step(self, self.next_step)
             elif self._finish(total):
@@ -245,8 +414,12 @@ class Controller:
                 train_step(s)
 
     def close(self) -> None:
-        """Stop the detector threads and destroy the process groups."""
+        """Stop the detector threads, finish the last checkpoint, destroy the process groups."""
         self._detector.stop()
+        if self._ckpt is not None:
+            self._ckpt.wait()
+            self._ckpt.close()
+            self._ckpt = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -257,9 +430,16 @@ class Controller:
             self._hook(event, info)
 
     def _begin(self, step: int) -> None:
+        if self._ckpt is not None and not self._snapshot_on:
+            self._ckpt.wait_snapshot()  # the forward may change buffers in place (batch-norm statistics)
         if self._snapshot_on:
             assert self._state is not None
             self._snapshot = (step, copy.deepcopy(self._state.state_dict()))
+        if self._ckpt_every and step % self._ckpt_every == 0 and step > 0 and self.committed == step - 1:
+            # The state after step-1's update. The snapshot is a private copy nobody mutates, so
+            # the checkpoint's host copy runs while this step computes, without a wait.
+            assert self._state is not None
+            self._checkpointer().save(step - 1, self._snapshot[1] if self._snapshot else self._state.state_dict())
         self._dirty = True
         self._step_started = time.monotonic()
         self._detector.progress(step, "compute")
@@ -280,6 +460,8 @@ class Controller:
         dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=g.world)
         self._pending = None
         self.committed, self.next_step, self._dirty = step, step + 1, False
+        if self._ckpt is not None and not self._snapshot_on:
+            self._ckpt.wait_snapshot()  # the last checkpoint's host copy, before the update mutates
         apply()
         self._detector.step_done(time.monotonic() - self._step_started)
         if self._timeline is not None:
@@ -362,18 +544,19 @@ class Controller:
                               f"{decision.lost}); {len(decision.members)} ranks go on")
             try:
                 self._build(decision, base)
+                tl.mark("rebuilt")
+                self._restore(decision)
                 break
             except dist.DistBackendError as e:
-                cause = e  # a failure during the rebuild: on to the next epoch
+                cause = e  # a failure during the rebuild or the state copy: on to the next epoch
                 with self._lock:
                     groups = list(self._registered)
                 self._abort(groups, f"rebuild of epoch {decision.epoch} failed")
-        tl.mark("rebuilt")
         if decision.failed_at:
             tl.mark("failure", min(tl.t["failure"], decision.failed_at))
-        self._restore(decision)
         tl.mark("restored")
-        self._emit("recovery.restored", epoch=decision.epoch, step=self.next_step)
+        self._emit("recovery.restored", epoch=decision.epoch, step=self.next_step, members=decision.members,
+                   place=self.place)
         tl.epoch, tl.resume_step, tl.members, tl.mode = decision.epoch, decision.resume_step, decision.members, decision.mode
         self._timeline = tl
 
@@ -410,32 +593,87 @@ class Controller:
                 if set(joined) == set(live):
                     gone = self._m.gone(base.members)
                     joined = {r: j for r, j in joined.items() if r not in gone}
-                    return self._m.decide(self._decide(epoch, base, joined, gone))
+                    d = self._m.decide(self._decide(epoch, base, joined, gone))
+                    for spare in d.joiners:
+                        self._m.wake(spare, "placed")
+                    return d
             if time.monotonic() > deadline:
                 raise RecoveryError(f"no decision for epoch {epoch} before the deadline (waiting on {live})")
             pace.wait()
 
     def _decide(self, epoch: int, base: Decision, joined: dict[int, JoinRecord], gone: dict[int, Gone]) -> Decision:
         lost = [i for i, r in enumerate(base.members) if r not in joined]
-        plan = plan_shrink(base.mesh_obj(), lost)
-        members = [base.members[i] for i in plan.stay]
+        mesh0 = base.mesh_obj()
         done = self._m.done(base.members)
         top = max([j.committed for j in joined.values()] + list(done.values()))
-        mode, note = ("fail", f"no replica survived (lost {[base.members[i] for i in plan.lost]})") \
-            if plan.mesh is None else ("init", "")
-        behind = [r for r in members if joined[r].committed != top
-                  and not (joined[r].committed == top - 1 and joined[r].pending == top)]
-        if behind:  # cannot happen (see the module docstring); fail everywhere rather than diverge
-            mode, note = "fail", (f"commit protocol violated: {behind} neither committed step {top} nor hold it "
-                                  f"pending ({[joined[r] for r in behind]})")
-        elif plan.mesh is not None and plan.leaves and all(
-                joined[r].applied == epoch - 1 and joined[r].ready for r in members):
-            mode = "shrink"
-        mesh = (plan.mesh or base.mesh_obj()).as_dict()
-        lost_ranks = [base.members[i] for i in plan.lost]
-        failed_at = min([gone[r].t for r in lost_ranks if r in gone], default=0.0)
-        return Decision(epoch, members, mesh, mode, top + 1, lost_ranks, [base.members[i] for i in plan.evicted],
-                        self.rank, now(), failed_at, note)
+        candidates = [r for r in self._m.spares() if r not in set(base.used_spares)]
+        candidates = [r for r in candidates if r not in self._m.gone(candidates)]
+        failed_at = min([gone[base.members[i]].t for i in lost if base.members[i] in gone], default=0.0)
+        slots0 = base.slots or base.members
+
+        def current(r: int) -> bool:  # holds the committed step, or the pending one
+            return r in joined and (joined[r].committed == top or
+                                    (joined[r].committed == top - 1 and joined[r].pending == top))
+
+        for spares in (candidates, []):
+            p = plan(mesh0, lost, spares)
+            evicted = [base.members[i] for i in p.evicted]
+            lost_ranks = [base.members[i] for i in p.lost]
+            if p.mesh is None:
+                return Decision(epoch, [], base.mesh, "fail", top + 1, lost_ranks, evicted, self.rank, now(),
+                                failed_at, f"no replica survived (lost {lost_ranks})")
+            fill = dict(p.replaced)
+            members = [fill.get(i, base.members[i]) for i in p.stay]
+            slots = [slots0[i] for i in p.stay]
+            joiners = [fill[i] for i in p.stay if i in fill]
+            needers = [r for r in members if not current(r)]
+            sources: list[list[int]] = []
+            for r in needers:
+                peers = [members[j] for j in p.mesh.group_ranks(members.index(r), "dp")]
+                donor = next((q for q in peers if q not in needers), None)
+                if donor is None:
+                    break
+                sources.append([r, donor])
+            restore, resume = ("peer" if needers else ""), top + 1
+            ckpt_step: int | None = -1
+            if len(sources) < len(needers):  # someone has no donor: the whole job loads a checkpoint
+                ckpt_step = self._latest_checkpoint(p.mesh.size)
+                if ckpt_step is None and joiners:
+                    continue  # the spares cannot be given a state: shrink without them
+                if ckpt_step is None:
+                    stray = [joined[r] for r in needers if r in joined]
+                    return Decision(epoch, [], base.mesh, "fail", top + 1, lost_ranks, evicted, self.rank, now(),
+                                    failed_at, f"members {needers} are behind step {top} ({stray}) and no member "
+                                               "or checkpoint holds their shard")
+                sources, restore, resume = [], "checkpoint", ckpt_step + 1
+            mode = "init"
+            if p.leaves and not joiners and all(joined[r].applied == epoch - 1 and joined[r].ready for r in members):
+                mode = "shrink"
+            return Decision(epoch, members, p.mesh.as_dict(), mode, resume, lost_ranks, evicted, self.rank, now(),
+                            failed_at, "", joiners, sources, restore, ckpt_step if ckpt_step is not None else -1, sorted(set(base.used_spares) |
+                                                                                       set(joiners)), slots)
+        raise AssertionError("unreachable: the plan without spares always decides")
+
+    def _latest_checkpoint(self, world: int) -> int | None:
+        if self._ckpt_dir is None:
+            return None
+        from resilient_comm.checkpoint import latest_complete
+
+        return latest_complete(self._ckpt_dir, world)
+
+    def _checkpointer(self) -> Any:
+        """The async checkpointer writing this process's current rank."""
+        from resilient_comm.checkpoint import AsyncCheckpointer
+
+        me = self.place.rank
+        if self._ckpt is not None and self._ckpt_rank != me:
+            self._ckpt.wait()
+            self._ckpt.close()
+            self._ckpt = None
+        if self._ckpt is None:
+            assert self._ckpt_dir is not None
+            self._ckpt, self._ckpt_rank = AsyncCheckpointer(self._ckpt_dir, me, keep=self._ckpt_keep), me
+        return self._ckpt
 
     def _build(self, d: Decision, base: Decision | None) -> None:
         """Make `d`'s world and dp/tp/pp groups and verify them with one collective each."""
@@ -443,6 +681,7 @@ class Controller:
             old, self._registered, self._watching = self._registered, [], set(d.members)
         self.applied_epoch, self._decision, self._ready = d.epoch, d, False
         me, mesh = d.members.index(self.rank), d.mesh_obj()
+        self._resolve_state()
         if d.mode == "shrink":
             assert base is not None
             for pg in [g for g in old if g is not c10d._get_default_group()]:
@@ -496,8 +735,27 @@ class Controller:
                       global_ranks=list(range(size)), make_default=True, replaces=old)
 
     def _restore(self, d: Decision) -> None:
+        """Bring this member to the decision's committed step: roll forward or back, load the
+        agreed checkpoint, or receive the state from a donor (and send it, as a donor)."""
         top = d.resume_step - 1
-        if self.committed == top - 1 and self._pending and self._pending[0] == top:
+        if self._ckpt is not None:
+            self._ckpt.wait_snapshot()  # its host copy must not see the state change under it
+        receivers = {j: donor for j, donor in d.sources}
+        if d.restore == "checkpoint":
+            from resilient_comm.checkpoint import AsyncCheckpointer
+
+            assert self._ckpt_dir is not None and self._state is not None
+            reader = self._ckpt if self._ckpt is not None and self._ckpt_rank == self.place.rank else \
+                AsyncCheckpointer(self._ckpt_dir, self.place.rank, keep=self._ckpt_keep)
+            step, sd = reader.load(d.ckpt_step)
+            if reader is not self._ckpt:
+                reader.close()
+            self._state.load_state_dict(sd)
+            self.committed = step
+            self._emit("recovery.loaded", epoch=d.epoch, step=step)
+        elif self.rank in receivers:
+            pass  # its state comes from the donor below
+        elif self.committed == top - 1 and self._pending and self._pending[0] == top:
             self._pending[1]()  # roll forward: apply the update every member voted for
             self.committed = top
             self._emit("step.committed", step=top, rolled_forward=True)
@@ -506,7 +764,27 @@ class Controller:
         elif self._dirty and self._snapshot is not None:
             assert self._state is not None and self._snapshot[0] == top + 1
             self._state.load_state_dict(self._snapshot[1])  # roll back the uncommitted step
+        if d.sources:
+            self._copy_state(d)
         self._pending, self._dirty, self.next_step = None, False, d.resume_step
+
+    def _copy_state(self, d: Decision) -> None:
+        """Donors send their (committed) state to the members in `d.sources`, over the world."""
+        world = self.groups.world
+        for joiner, donor in d.sources:
+            if self.rank == donor:
+                assert self._state is not None
+                t0 = time.monotonic()
+                n = send_state(self._state.state_dict(), d.members.index(joiner), world)
+                log.info("rank %d sent its state (%.1f MB) to %d in %.0f ms", self.rank, n / 1e6, joiner,
+                         1e3 * (time.monotonic() - t0))
+            elif self.rank == joiner:
+                if self._state is None:
+                    raise RecoveryError(f"spare {self.rank} has no state provider to load its state into")
+                sd = recv_state(d.members.index(donor), world)
+                self._state.load_state_dict(sd)
+                self.committed, self._snapshot = d.resume_step - 1, None
+                self._emit("recovery.synced", epoch=d.epoch, step=self.committed, donor=donor)
 
     # -- the end --------------------------------------------------------------------------
 
@@ -523,6 +801,9 @@ class Controller:
             if all(r in done or r in gone for r in members):
                 with self._lock:
                     self._finished = True
+                self._m.set_finished()
+                for spare in self._m.spares():
+                    self._m.wake(spare, "finished")  # waiting spares leave
                 return True
             if self._m.epoch() > self.applied_epoch:
                 self._recover(RuntimeError("a member is recovering after this one finished"), op_error=False)
@@ -532,5 +813,5 @@ class Controller:
             pace.wait()
 
 
-__all__ = ["ENV_NAMESPACE", "ENV_STORE", "EXIT_EVICTED", "Controller", "Evicted", "Groups", "RecoveryError",
-           "Stateful", "Step"]
+__all__ = ["ENV_NAMESPACE", "ENV_SPARE", "ENV_STORE", "EXIT_EVICTED", "Controller", "Evicted", "Groups", "Place",
+           "RecoveryError", "Stateful", "Step", "TrainState"]

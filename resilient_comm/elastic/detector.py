@@ -175,10 +175,17 @@ class Detector:
         self._threads = [threading.Thread(target=self._events_loop, name="rc-events", daemon=True),
                          threading.Thread(target=self._heartbeat_loop, name="rc-heartbeat", daemon=True)]
 
-    def start(self) -> None:
+    def start(self, events: bool = True) -> None:
+        """Start heartbeating, and with `events` the events thread (a hot spare starts it
+        only once it is placed: until then its own wait consumes its wake-ups)."""
         self._beat(0)
-        for t in self._threads:
-            t.start()
+        self._threads[1].start()
+        if events:
+            self.start_events()
+
+    def start_events(self) -> None:
+        if not self._threads[0].is_alive() and not self._stop.is_set():
+            self._threads[0].start()
 
     def stop(self) -> None:
         """Stop and join both threads (a thread left inside a store call while the interpreter

@@ -20,6 +20,13 @@ What it does, and how it differs from torchrun:
   last membership decision (evicted or dead ranks that the job recovered from do not count):
   0 when all of them exited 0, else the first failure's code (128+N for signal N). A plain
   torch script (no controller) is judged on every worker.
+- ``--spares K`` (node 0): starts K *hot spares* besides the workers: the same command with
+  ``RESILIENT_COMM_SPARE=1`` and RANK set to a spare id (``WORLD_SIZE`` and up; LOCAL_RANK is
+  -1). A spare's `Controller` waits warm until the membership gives it a lost rank's place.
+  Each abnormal exit (a worker's death, a spare's) starts one new spare, up to
+  ``--max-spare-starts`` in all (default unlimited), so the pool stays full. Spares that are
+  still waiting when every worker has ended are stopped (SIGTERM) and do not count in the
+  exit status.
 - ``--max-restarts N``: when every worker has ended and the job failed (nobody could recover
   in-process: say every replica lost a rank), start the whole group again, up to N times, in a
   fresh namespace (the script resumes from its own checkpoint, as under torchrun). Single
@@ -46,7 +53,7 @@ from typing import IO
 
 import torch.distributed as dist
 
-from resilient_comm.elastic.controller import ENV_NAMESPACE, ENV_STORE
+from resilient_comm.elastic.controller import ENV_NAMESPACE, ENV_SPARE, ENV_STORE, EXIT_EVICTED
 from resilient_comm.elastic.membership import Gone, Membership, now
 
 log = logging.getLogger("resilient_comm.launcher")
@@ -59,6 +66,7 @@ class Worker:
     pidfd: int
     log: IO[bytes] | None
     status: int | None = None  # shell-style: code, or 128+signal
+    spare: bool = False  # started as a hot spare
 
 
 def describe_status(returncode: int) -> str:
@@ -88,9 +96,15 @@ class Launcher:
         log_dir: str | None = None,
         env: dict[str, str] | None = None,
         store_timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+        spares: int = 0,
+        max_spare_starts: int | None = None,
     ) -> None:
         if nproc < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
             raise ValueError(f"bad layout: nproc {nproc}, nnodes {nnodes}, node_rank {node_rank}")
+        if spares < 0 or (max_spare_starts is not None and max_spare_starts < 0):
+            raise ValueError(f"bad spares: --spares {spares}, --max-spare-starts {max_spare_starts}")
+        if spares and node_rank != 0:
+            raise ValueError("--spares is given to node 0's launcher (it starts and replaces the spares)")
         if max_restarts and nnodes > 1:
             raise ValueError("--max-restarts needs a single node (restarting several nodes is not supported)")
         self.cmd, self.nproc, self.nnodes, self.node_rank = cmd, nproc, nnodes, node_rank
@@ -102,6 +116,9 @@ class Launcher:
                                    wait_for_workers=False)
         self.port = self.store.port
         self.generation = 0
+        self.spares, self.max_spare_starts, self.spare_starts = spares, max_spare_starts, 0
+        self._next_spare = 0
+        self._ending = False
         self.workers: list[Worker] = []
         self._sel = selectors.DefaultSelector()
         self._shutting_down = False
@@ -122,7 +139,7 @@ class Launcher:
     def membership(self) -> Membership:
         return Membership(self.store, self.namespace, self.world_size)
 
-    def _env(self, rank: int, local_rank: int) -> dict[str, str]:
+    def _env(self, rank: int, local_rank: int, spare: bool = False) -> dict[str, str]:
         env = dict(os.environ)
         env.update({
             "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(self.world_size),
@@ -133,27 +150,58 @@ class Launcher:
             "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts), "TORCHELASTIC_RUN_ID": self.run_id,
             ENV_STORE: f"{self.host}:{self.port}", ENV_NAMESPACE: self.namespace,
         })
+        if spare:
+            env[ENV_SPARE] = "1"
         if "OMP_NUM_THREADS" not in os.environ and self.nproc > 1:
             env["OMP_NUM_THREADS"] = "1"  # as torchrun: N workers must not each take every core
         env.update(self.extra_env)
         return env
 
     def start(self) -> None:
-        """Start this node's workers (a new generation after a restart)."""
-        self.workers = []
+        """Start this node's workers and spares (a new generation after a restart)."""
+        self.workers, self._next_spare, self._ending = [], 0, False
         for local_rank in range(self.nproc):
-            rank = self.node_rank * self.nproc + local_rank
-            out: IO[bytes] | None = None
-            if self.log_dir:
-                os.makedirs(os.path.join(self.log_dir, str(self.generation)), exist_ok=True)
-                out = open(os.path.join(self.log_dir, str(self.generation), f"{rank}.log"), "wb")  # noqa: SIM115
-            proc = subprocess.Popen(self.cmd, env=self._env(rank, local_rank), start_new_session=True,
-                                    stdout=out, stderr=subprocess.STDOUT if out else None)
-            w = Worker(rank, proc, os.pidfd_open(proc.pid), out)
-            self._sel.register(w.pidfd, selectors.EVENT_READ, w)
-            self.workers.append(w)
-        log.info("started %d workers (generation %d, store %s:%d, namespace %s): %s", self.nproc,
-                 self.generation, self.host, self.port, self.namespace, " ".join(self.cmd))
+            self._spawn(self.node_rank * self.nproc + local_rank, local_rank)
+        for _ in range(self.spares):
+            self._start_spare()
+        log.info("started %d workers%s (generation %d, store %s:%d, namespace %s): %s", self.nproc,
+                 f" and {self.spares} spares" if self.spares else "", self.generation, self.host, self.port,
+                 self.namespace, " ".join(self.cmd))
+
+    def _spawn(self, rank: int, local_rank: int, spare: bool = False) -> Worker:
+        out: IO[bytes] | None = None
+        if self.log_dir:
+            os.makedirs(os.path.join(self.log_dir, str(self.generation)), exist_ok=True)
+            out = open(os.path.join(self.log_dir, str(self.generation), f"{rank}.log"), "wb")  # noqa: SIM115
+        proc = subprocess.Popen(self.cmd, env=self._env(rank, local_rank, spare), start_new_session=True,
+                                stdout=out, stderr=subprocess.STDOUT if out else None)
+        w = Worker(rank, proc, os.pidfd_open(proc.pid), out, spare=spare)
+        self._sel.register(w.pidfd, selectors.EVENT_READ, w)
+        self.workers.append(w)
+        return w
+
+    def _start_spare(self) -> None:
+        """Start one spare with the next free id (ids are world size and up, per generation)."""
+        spare_id = self.world_size + self._next_spare
+        self._next_spare += 1
+        self.spare_starts += 1
+        w = self._spawn(spare_id, -1, spare=True)
+        log.info("started spare %d (pid %d)", spare_id, w.proc.pid)
+
+    def _placed(self) -> set[int]:
+        """Spares that the membership has given a place (they are members now)."""
+        m = self.membership()
+        if not m.store.check([m.key("epoch")]):
+            return set()
+        for e in range(m.epoch(), -1, -1):
+            d = m.decision(e)
+            if d is not None:
+                return set(d.used_spares)
+        return set()
+
+    def _waiting_spares(self) -> list[Worker]:
+        placed = self._placed()
+        return [w for w in self.workers if w.spare and w.status is None and w.rank not in placed]
 
     def wait(self) -> int:
         """Watch the workers until all have ended (restarting the group if allowed); returns
@@ -162,6 +210,7 @@ class Launcher:
             while any(w.status is None for w in self.workers):
                 for key, _ in self._sel.select():
                     self._reap(key.data)
+                self._stop_idle_spares()
             status = self._status()
             if status == 0 or self._shutting_down or self.generation >= self.max_restarts:
                 self._node_done()
@@ -187,9 +236,30 @@ class Launcher:
         if self._shutting_down:
             log.info("worker %d (pid %d) ended during shutdown: %s", w.rank, w.proc.pid, what)
             return
+        if self._ending and w.spare:
+            log.info("spare %d (pid %d) ended: %s", w.rank, w.proc.pid, what)
+            return
         self.membership().report_gone(Gone(w.rank, "exit", what, t, "launcher"))
         level = logging.INFO if returncode == 0 else logging.WARNING
-        log.log(level, "worker %d (pid %d): %s; reported to the membership", w.rank, w.proc.pid, what)
+        log.log(level, "%s %d (pid %d): %s; reported to the membership", "spare" if w.spare else "worker", w.rank,
+                w.proc.pid, what)
+        if self.spares and w.status not in (0, EXIT_EVICTED) and not self._ending and (
+                self.max_spare_starts is None or self.spare_starts < self.spares + self.max_spare_starts):
+            self._start_spare()  # the pool stays full: this one replaces the spare the failure uses
+
+    def _stop_idle_spares(self) -> None:
+        """Once every worker (and placed spare) has ended, the waiting spares are not needed."""
+        if self._ending or not any(w.spare for w in self.workers):
+            return
+        waiting = self._waiting_spares()
+        if all(w.status is not None for w in self.workers if w not in waiting):
+            self._ending = True
+            for w in waiting:
+                if w.status is None:
+                    try:
+                        signal.pidfd_send_signal(w.pidfd, signal.SIGTERM)
+                    except (ProcessLookupError, OSError):
+                        pass  # ended meanwhile; the selector reports it
 
     def _status(self) -> int:
         """The status of this node's workers that belong to the last membership decision."""
@@ -201,7 +271,7 @@ class Launcher:
                 if d is not None:
                     members = None if d.mode == "fail" else set(d.members)
                     break
-        judged = [w for w in self.workers if members is None or w.rank in members]
+        judged = [w for w in self.workers if (members is None and not w.spare) or (members and w.rank in members)]
         return next((w.status for w in judged if w.status), 0) or 0
 
     def _node_done(self) -> None:
@@ -249,6 +319,9 @@ def parser() -> argparse.ArgumentParser:
                    help="whole-group restarts when no worker survives to recover (default 0)")
     p.add_argument("--monitor-interval", "--monitor_interval", type=float, default=None,
                    help="accepted for torchrun compatibility; exits are seen at once (pidfd), not polled")
+    p.add_argument("--spares", type=int, default=0, help="hot spares to keep waiting (node 0; default 0)")
+    p.add_argument("--max-spare-starts", "--max_spare_starts", type=int, default=None, metavar="N",
+                   help="spares started to refill the pool after failures, in all (default unlimited)")
     p.add_argument("--log-dir", "--log_dir", default=None, help="write each worker's output to DIR/GEN/RANK.log")
     p.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
     p.add_argument("--no-python", "--no_python", action="store_true", help="run the script as a program")
@@ -276,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cmd = [sys.executable, "-u", a.script, *a.script_args]
     launcher = Launcher(cmd, a.nproc_per_node, nnodes=a.nnodes, node_rank=a.node_rank, endpoint=endpoint,
-                        max_restarts=a.max_restarts, run_id=a.rdzv_id, log_dir=a.log_dir)
+                        max_restarts=a.max_restarts, run_id=a.rdzv_id, log_dir=a.log_dir, spares=a.spares,
+                        max_spare_starts=a.max_spare_starts)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, _f: launcher.forward(s))
     status = launcher.run()

@@ -14,6 +14,8 @@ launcher generation)::
                                 block on it (and be woken by its own process to stop)
     {ns}/hb/{rank}              rank's heartbeat
     {ns}/done/{rank}            rank finished training at this committed step
+    {ns}/spare/n, {ns}/spare/{i}  hot spares waiting warm: a counter, and the i-th one's id
+    {ns}/finished               every member finished: waiting spares leave
 
 Rules that make the protocol safe (the controller follows them):
 
@@ -67,6 +69,12 @@ class Decision:
     t: float = 0.0
     failed_at: float = 0.0  # earliest failure time among the lost ranks' evidence (0: unknown)
     note: str = ""  # why, when the mode is "fail"
+    joiners: list[int] = field(default_factory=list)  # hot spares that take a lost rank's place here
+    sources: list[list[int]] = field(default_factory=list)  # [joiner, donor]: who sends a joiner its state
+    restore: str = ""  # "" (nothing to copy), "peer" (joiners copy from `sources`), "checkpoint" (all load)
+    ckpt_step: int = -1  # with restore == "checkpoint": the step every member loads
+    used_spares: list[int] = field(default_factory=list)  # every spare placed up to this epoch
+    slots: list[int] = field(default_factory=list)  # launch rank whose place each member holds ([]: members)
 
     def mesh_obj(self) -> Mesh:
         return Mesh(**self.mesh)
@@ -191,7 +199,7 @@ class Membership:
         i = 0
         while self.store.compare_set(self.key("events", i), "", text).decode() != text:
             i += 1
-        for r in range(self.world_size):
+        for r in [*range(self.world_size), *self.spares()]:
             self.wake(r)
         return i
 
@@ -213,6 +221,23 @@ class Membership:
 
     def beats(self, ranks: list[int]) -> dict[int, str]:
         return {r: v.decode() for r, v in self._present([self.key("hb", r) for r in ranks], ranks).items()}
+
+    def register_spare(self, spare_id: int) -> None:
+        i = self.store.add(self.key("spare", "n"), 1) - 1
+        self.store.set(self.key("spare", i), str(spare_id))
+
+    def spares(self) -> list[int]:
+        """Ids of every spare that ever registered, in registration order."""
+        k = self.key("spare", "n")
+        n = self.store.add(k, 0) if self.store.check([k]) else 0
+        keys = [self.key("spare", i) for i in range(n)]
+        return [int(v) for v in self._present(keys, list(range(n))).values()]
+
+    def set_finished(self) -> None:
+        self.store.set(self.key("finished"), "1")
+
+    def finished(self) -> bool:
+        return bool(self.store.check([self.key("finished")]))
 
     def set_done(self, rank: int, committed: int) -> None:
         self.store.set(self.key("done", rank), str(committed))

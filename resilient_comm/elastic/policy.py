@@ -12,8 +12,13 @@ spare, **the whole replica holding a lost rank leaves**, and the survivors form 
 fewer replicas and the same ``tp`` and ``pp``. Because replicas are contiguous blocks and
 survivors keep their old order, the renumbered survivors are again laid out as above.
 
-With ``tp == pp == 1`` a replica is one rank: exactly the lost ranks leave. (Hot spares, which
-keep the world size, are not part of this policy yet.)
+With ``tp == pp == 1`` a replica is one rank: exactly the lost ranks leave.
+
+**Hot spares** come first (`plan`): a spare takes a lost rank's place -- same rank, same
+tp/pp/dp coordinates -- so the world size and the mesh are kept. A replica is saved only if
+*every* lost rank in it gets a spare (a replica with a hole leaves whole, so a spare given to
+it would be wasted); replicas that lost fewer ranks are saved first, then the lower-numbered.
+What the spares cannot save leaves by the shrink rule above.
 """
 
 from __future__ import annotations
@@ -91,9 +96,13 @@ class Plan:
     evicted: tuple[int, ...]  # live ranks that leave with a lost rank's replica
     mesh: Mesh | None  # the survivors' mesh; None when nobody can go on
 
+    replaced: tuple[tuple[int, int], ...] = ()  # (current rank, spare id): the spare takes that place
+
     @property
     def leaves(self) -> tuple[int, ...]:
-        return tuple(sorted(self.lost + self.evicted))
+        """Ranks that leave the mesh (a replaced rank's place is kept, so it is not here)."""
+        filled = {r for r, _ in self.replaced}
+        return tuple(sorted(r for r in self.lost + self.evicted if r not in filled))
 
 
 def plan_shrink(mesh: Mesh, lost: set[int] | list[int] | tuple[int, ...]) -> Plan:
@@ -114,4 +123,30 @@ def plan_shrink(mesh: Mesh, lost: set[int] | list[int] | tuple[int, ...]) -> Pla
     return Plan(stay=stay, lost=tuple(sorted(lost_set)), evicted=evicted, mesh=new_mesh)
 
 
-__all__ = ["DIMS", "Mesh", "Plan", "plan_shrink"]
+def plan(mesh: Mesh, lost: set[int] | list[int] | tuple[int, ...], spares: list[int] | tuple[int, ...] = ()) -> Plan:
+    """The full policy: hot spares (ids, in the order they are to be used) fill lost places
+    where that saves a whole replica; what is left follows `plan_shrink`.
+
+    Returns a plan in the current numbering: `stay` keeps the places of replaced ranks (their
+    new occupant is given by `replaced`), and `mesh` has the same tp and pp."""
+    lost_set = set(lost)
+    shrink_all = plan_shrink(mesh, lost_set)  # validates `lost`
+    if not spares or not lost_set:
+        return shrink_all
+    by_replica: dict[int, list[int]] = {}
+    for r in sorted(lost_set):
+        by_replica.setdefault(mesh.replica_of(r), []).append(r)
+    pool = list(spares)
+    replaced: list[tuple[int, int]] = []
+    for replica in sorted(by_replica, key=lambda k: (len(by_replica[k]), k)):
+        holes = by_replica[replica]
+        if len(holes) > len(pool):
+            continue
+        replaced += [(r, pool.pop(0)) for r in holes]
+    filled = {r for r, _ in replaced}
+    rest = plan_shrink(mesh, lost_set - filled)
+    return Plan(stay=rest.stay, lost=tuple(sorted(lost_set)), evicted=rest.evicted, mesh=rest.mesh,
+                replaced=tuple(sorted(replaced)))
+
+
+__all__ = ["DIMS", "Mesh", "Plan", "plan", "plan_shrink"]

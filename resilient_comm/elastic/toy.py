@@ -4,7 +4,7 @@ and the elastic tests.
     resilient-run --nproc-per-node 4 -m resilient_comm.elastic.toy --steps 60 --kill 2:20:start
     torchrun --nproc-per-node 4 --max-restarts 1 -m resilient_comm.elastic.toy --baseline ...
 
-The model is a two-layer MLP in float64 (tensor parallel when ``--tp`` > 1: the hidden layer
+The model is a two-layer MLP in float64 (``--dtype``) (tensor parallel when ``--tp`` > 1: the hidden layer
 is split across the TP group and the output's partial sums are all-reduced), trained by SGD
 with momentum on synthetic data. The data of step s for data stream d is drawn from a
 generator seeded by (seed, s, d), so a run is bit-for-bit repeatable and each data-parallel
@@ -16,11 +16,17 @@ Modes:
 - **--baseline**: plain ``torch.distributed`` on gloo (``env://``), checkpoint every
   ``--ckpt-every`` steps and resume from it at start: the torchrun elastic-restart job.
 
+Under ``resilient-run --spares K`` the same program runs as a hot spare: it builds its model
+up front (so it waits warm), and once placed takes over the data stream of the rank it
+replaced (`Controller.slot`). ``--digest`` adds a hash of the state to the ``restored`` event
+every member writes after a recovery (a spare's state must equal its donor's, bit for bit).
+
 Fault injection, all by the worker itself with a real signal: ``--kill RANK:STEP:PHASE``
 SIGKILLs rank RANK at step STEP's PHASE (start, synced, committed), or at its first recovery's
 PHASE (joined, agreed) when STEP is the epoch; in baseline mode only the first generation
 kills. ``--mark RANK:STEP`` sets store key ``toy/at/RANK/STEP`` when RANK starts STEP (for
-tests that stop a worker from outside). ``--events DIR`` appends JSON lines (kill, commit,
+tests that stop a worker from outside); ``--hold RANK:STEP`` also makes RANK wait there for
+key ``toy/go/STEP`` (tests act on the job while it cannot finish). ``--events DIR`` appends JSON lines (kill, commit,
 recovery, resume, done) to ``DIR/events-RANK-PID.jsonl``.
 """
 
@@ -67,21 +73,23 @@ class TinyMLP(torch.nn.Module):
 
     tracked: torch.Tensor
 
-    def __init__(self, seed: int, features: int, hidden: int, tp: int, tp_index: int) -> None:
+    def __init__(self, seed: int, features: int, hidden: int, tp: int, tp_index: int,
+                 dtype: torch.dtype = torch.float64) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        w1 = torch.randn(hidden, features, generator=g, dtype=torch.float64) * 0.3
-        w2 = torch.randn(4, hidden, generator=g, dtype=torch.float64) * 0.3
         cut = slice(tp_index * hidden // tp, (tp_index + 1) * hidden // tp)
-        self.w1 = torch.nn.Parameter(w1[cut].clone())
-        self.b1 = torch.nn.Parameter(torch.zeros(hidden // tp, dtype=torch.float64))
-        self.w2 = torch.nn.Parameter(w2[:, cut].clone())
-        self.b2 = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+        w1 = torch.randn(hidden, features, generator=g, dtype=dtype)[cut] * 0.3
+        w2 = torch.randn(4, hidden, generator=g, dtype=dtype)[:, cut] * 0.3
+        self.w1 = torch.nn.Parameter(w1.contiguous())
+        self.b1 = torch.nn.Parameter(torch.zeros(hidden // tp, dtype=dtype))
+        self.w2 = torch.nn.Parameter(w2.contiguous())
+        self.b2 = torch.nn.Parameter(torch.zeros(4, dtype=dtype))
+        self.dtype = dtype
         self.register_buffer("tracked", torch.zeros((), dtype=torch.int64))
 
     def forward(self, x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
         self.tracked.add_(1)
-        x = x / (1.0 + 0.01 * self.tracked.double().sqrt())
+        x = x / (1.0 + 0.01 * self.tracked.to(self.dtype).sqrt())
         part = torch.tanh(x @ self.w1.T + self.b1) @ self.w2.T
         return (_TPSum.apply(part, tp_group) if tp_group is not None else part) + self.b2
 
@@ -89,9 +97,11 @@ class TinyMLP(torch.nn.Module):
 class Trainer:
     """Model, optimizer and data; `state_dict`/`load_state_dict` cover model and optimizer."""
 
-    def __init__(self, seed: int, features: int, hidden: int, tp: int, tp_index: int, batch: int) -> None:
-        self.model = TinyMLP(seed, features, hidden, tp, tp_index)
-        self.w_true = torch.randn(features, 4, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    def __init__(self, seed: int, features: int, hidden: int, tp: int, tp_index: int, batch: int,
+                 dtype: torch.dtype = torch.float64) -> None:
+        self.model = TinyMLP(seed, features, hidden, tp, tp_index, dtype)
+        self.dtype = dtype
+        self.w_true = torch.randn(features, 4, generator=torch.Generator().manual_seed(seed + 1), dtype=dtype)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
         self.seed, self.features, self.batch = seed, features, batch
 
@@ -104,7 +114,7 @@ class Trainer:
     def forward_backward(self, step: int, data_id: int, tp_group: dist.ProcessGroup | None) -> float:
         self.opt.zero_grad(set_to_none=False)
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 7919 + data_id)
-        x = torch.randn(self.batch, self.features, generator=g, dtype=torch.float64)
+        x = torch.randn(self.batch, self.features, generator=g, dtype=self.dtype)
         loss = torch.nn.functional.mse_loss(self.model(x, tp_group), torch.sin(x @ self.w_true))
         loss.backward()
         return float(loss.detach())
@@ -167,20 +177,29 @@ def _die(events: Events, why: str, step: int) -> None:
 
 def run_elastic(a: argparse.Namespace) -> int:
     from resilient_comm.elastic import EXIT_EVICTED, Controller, Evicted, Mesh, RecoveryError
+    from resilient_comm.elastic.controller import ENV_SPARE
+    from resilient_comm.elastic.statesync import digest
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    spare = os.environ.get(ENV_SPARE) == "1"
     events = Events(a.events, rank)
+    if spare:
+        events.write("spare", pid=os.getpid())
     kills = _faults(a.kill, rank)
     marks = {int(s.split(":")[1]) for s in a.mark if int(s.split(":")[0]) == rank}
+    holds = {int(s.split(":")[1]) for s in a.hold if int(s.split(":")[0]) == rank}
     mesh0 = Mesh.for_world(world, a.tp)
-    data_id = [int(d) for d in a.data_ids.split(",")][mesh0.replica_of(rank)] if a.data_ids else mesh0.replica_of(rank)
-    trainer = Trainer(a.seed, a.features, a.hidden, a.tp, mesh0.coords(rank)["tp"], a.batch)
+    data_ids = [int(d) for d in a.data_ids.split(",")] if a.data_ids else list(range(mesh0.dp))
+    # A spare's tp index (and so its initial weights) is unknown until it is placed; the state
+    # it receives then overwrites them, so any shard of the right shape will do.
+    trainer = Trainer(a.seed, a.features, a.hidden, a.tp, 0 if spare else mesh0.coords(rank)["tp"], a.batch,
+                      getattr(torch, a.dtype))
     start = _load(a.resume_from, trainer) if a.resume_from else _load(a.ckpt, trainer)
     if start and not a.resume_from:
         events.write("resume", step=start)
     trace: dict[int, Any] = {}
     store = None
-    if marks:
+    if marks or holds:
         host, port = os.environ["RESILIENT_COMM_STORE"].rsplit(":", 1)
         store = dist.TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=60))
 
@@ -191,15 +210,24 @@ def run_elastic(a: argparse.Namespace) -> int:
             _die(events, f"{phase} of {'epoch' if event.startswith('recovery') else 'step'} {key[1]}", key[1])
         if event == "step.start" and info["step"] in marks and store is not None:
             store.set(f"toy/at/{rank}/{info['step']}", "1")
+        if event == "step.start" and holds and info["step"] in holds and store is not None:
+            holds.discard(info["step"])
+            store.set(f"toy/held/{rank}/{info['step']}", "1")
+            store.wait([f"toy/go/{info['step']}"])
         if event == "step.committed":
             events.write("commit", step=info["step"])
+        if event == "recovery.restored":
+            extra = {"digest": digest(trainer.state_dict())} if a.digest else {}
+            events.write("restored", epoch=info["epoch"], step=info["step"], members=info["members"],
+                         place=info["place"].rank, slot=info["place"].slot, **extra)
 
     nbytes = sum(p.numel() * p.element_size() for p in trainer.params())
-    ctl = Controller(trainer, tp=a.tp, start_step=start, comm_bytes=nbytes, hook=hook)
+    ctl = Controller(trainer, tp=a.tp, start_step=start, comm_bytes=nbytes, hook=hook,
+                     checkpoint_dir=a.ckpt_dir, checkpoint_every=a.ckpt_dir_every)
 
     def train_step(s: Any) -> None:
         tp_group = ctl.groups.tp if a.tp > 1 else None
-        trainer.forward_backward(s.step, data_id, tp_group)
+        trainer.forward_backward(s.step, data_ids[mesh0.replica_of(ctl.slot)], tp_group)
         if a.step_ms:
             time.sleep(a.step_ms / 1e3)  # stands for a longer computation
         s.commit(trainer.opt.step, grads=trainer.grads())
@@ -269,13 +297,13 @@ class ToyJob:
     store and worker pids the caller can use), in `workdir` (events, dumps, and with `quiet`
     the workers' output in logs/)."""
 
-    def __init__(self, nproc: int, args: list[str], workdir: str, quiet: bool = False) -> None:
+    def __init__(self, nproc: int, args: list[str], workdir: str, quiet: bool = False, **launcher: Any) -> None:
         from resilient_comm.elastic.launcher import Launcher
 
         self.workdir = workdir
         self.events_dir = os.path.join(workdir, "events")
         cmd = [sys.executable, "-m", "resilient_comm.elastic.toy", "--events", self.events_dir, *args]
-        self.launcher = Launcher(cmd, nproc, log_dir=os.path.join(workdir, "logs") if quiet else None)
+        self.launcher = Launcher(cmd, nproc, log_dir=os.path.join(workdir, "logs") if quiet else None, **launcher)
         self.status: int | None = None
         self._thread: threading.Thread | None = None
 
@@ -327,6 +355,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--step-ms", type=float, default=0.0, help="extra time per step standing for compute")
     p.add_argument("--kill", action="append", default=[], metavar="RANK:STEP:PHASE", help="self-SIGKILL")
     p.add_argument("--mark", action="append", default=[], metavar="RANK:STEP", help="store key at a step's start")
+    p.add_argument("--hold", action="append", default=[], metavar="RANK:STEP",
+                   help="at STEP's start RANK sets toy/held/RANK/STEP and waits for store key toy/go/STEP")
     p.add_argument("--events", default=None, metavar="DIR", help="append JSON-line events here")
     p.add_argument("--ckpt", default=None, help="checkpoint file (written every --ckpt-every steps, read at start)")
     p.add_argument("--ckpt-every", type=int, default=0)
@@ -334,6 +364,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, metavar="FILE", help="elastic: every committed state (lowest member)")
     p.add_argument("--resume-from", default=None, metavar="FILE", help="elastic: start from this {step, state}")
     p.add_argument("--data-ids", default=None, help="elastic: data stream of each replica, comma-separated")
+    p.add_argument("--dtype", default="float64", choices=("float64", "float32"), help="model dtype")
+    p.add_argument("--digest", action="store_true", help="elastic: state hash in each 'restored' event")
+    p.add_argument("--ckpt-dir", default=None, help="elastic: the controller's async checkpoints go here")
+    p.add_argument("--ckpt-dir-every", type=int, default=0, help="elastic: async checkpoint every N steps")
     p.add_argument("--baseline", action="store_true", help="plain gloo with checkpoint/restart (torchrun)")
     return p
 
