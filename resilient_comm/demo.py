@@ -4,7 +4,8 @@ N workers (default 4) train a small model on CPU under ``resilient-run`` with th
 controller. One SIGKILLs itself at the start of a chosen step. The survivors detect the death
 (op error, the launcher's report), agree on a new membership, shrink their groups, restore
 the last committed step and go on, in the same processes; the recovery timeline of every
-survivor is printed. ``--compare-torchrun`` runs the same experiment (same model, data,
+survivor is printed. With ``--spares 1`` a hot spare waits warm and takes the dead rank's
+place instead (world size kept; it receives its state from a peer). ``--compare-torchrun`` runs the same experiment (same model, data,
 steps and checkpoint cadence) as a torchrun elastic restart from checkpoint, with torch's
 defaults and with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, and prints them side by side.
 """
@@ -36,12 +37,12 @@ def _timeline_table(run: Run, kill_t: float) -> list[str]:
 
 def _outcome(r: Run) -> str:
     if r.recovered:
-        return "recovered in-process" if r.system == "ours" else "all restarted, resumed"
+        return "recovered in-process" if r.system.startswith("ours") else "all restarted, resumed"
     return "hung" if "hung" in r.note else "failed"
 
 
 def _side_by_side(runs: list[Run], nproc: int) -> list[str]:
-    heads = {"ours": "ours (resilient-run)", "torchrun-default": "torchrun (defaults)",
+    heads = {"ours": "ours (resilient-run)", "ours-spare": "ours (resilient-run --spares)", "torchrun-default": "torchrun (defaults)",
              "torchrun": "torchrun (+" + next(iter(FIX)) + "=1)"}
 
     def row(name: str, cells: list[str]) -> str:
@@ -54,10 +55,10 @@ def _side_by_side(runs: list[Run], nproc: int) -> list[str]:
              row("", ["(" + heads[r.system].split(" (")[1] for r in runs]),
              row("SIGKILL -> first committed step", [secs(r.first_commit_s) for r in runs]),
              row("steps redone", ["-" if r.redone is None else str(r.redone) for r in runs]),
-             row("processes restarted", ["0" if r.system == "ours" else str(nproc) for r in runs]),
+             row("processes restarted", ["0" if r.system.startswith("ours") else str(nproc) for r in runs]),
              row("world after", ["-" if r.world_after is None else f"{r.world_after} ranks" for r in runs]),
              row("outcome", [_outcome(r) for r in runs]), ""]
-    lines += [f"{heads[r.system]}: {r.note}" for r in runs if r.system != "ours"]
+    lines += [f"{heads[r.system]}: {r.note}" for r in runs if not r.system.startswith("ours")]
     return lines
 
 
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-step", type=int, default=25, help="the victim dies at the start of this step (default 25)")
     p.add_argument("--ckpt-every", type=int, default=10, help="checkpoint cadence in steps (default 10)")
     p.add_argument("--step-ms", type=float, default=0.0, help="extra time per step standing for compute")
+    p.add_argument("--spares", type=int, default=0, help="hot spares waiting warm (default 0: the survivors shrink)")
     p.add_argument("--compare-torchrun", action="store_true", help="also run it as a torchrun elastic restart")
     p.add_argument("--timeout", type=float, default=90.0, help="bound on each run, seconds (default 90)")
     a = p.parse_args(argv)
@@ -87,20 +89,26 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="resilient-demo-") as root:
         started = time.time()
-        ours = run_ours(a.nproc, 0, s, root)
+        ours = run_ours(a.nproc, 0, s, root, spares=a.spares)
         runs.append(ours)
         if not ours.recovered:
             print(f"the survivors did not recover: {ours.note}")
             return 1
         assert ours.fault_t is not None
         kill_t = ours.fault_t
-        print(f"done in {time.time() - started:.1f} s. Recovery timeline of each survivor, ms after the kill:\n")
+        print(f"done in {time.time() - started:.1f} s. Recovery timeline of each member, ms after the kill:\n")
         print("\n".join(_timeline_table(ours, kill_t)))
-        tl = ours.timelines[0]
-        print(f"\nepoch {tl['epoch']}: rank(s) {tl['lost']} lost; the {len(tl['members'])} survivors ({tl['mode']} of "
-              f"every group) resumed at step {tl['resume_step']} ({ours.redone} step redone) and finished all "
-              f"{a.steps} steps in the same processes.")
-        print(f"SIGKILL -> first committed step on every survivor: {1e3 * (ours.first_commit_s or 0):.1f} ms.")
+        tl = next(t for t in ours.timelines if t["lost"])
+        placed = [t["rank"] for t in ours.timelines if not t["lost"]]
+        if placed:
+            print(f"\nepoch {tl['epoch']}: rank(s) {tl['lost']} lost; hot spare {placed} took the place (members "
+                  f"{tl['members']}: world size kept), received its state from a peer, and with the survivors "
+                  f"resumed at step {tl['resume_step']} ({ours.redone} step redone) and finished all {a.steps} steps.")
+        else:
+            print(f"\nepoch {tl['epoch']}: rank(s) {tl['lost']} lost; the {len(tl['members'])} survivors ({tl['mode']} "
+                  f"of every group) resumed at step {tl['resume_step']} ({ours.redone} step redone) and finished all "
+                  f"{a.steps} steps in the same processes.")
+        print(f"SIGKILL -> first committed step on every member: {1e3 * (ours.first_commit_s or 0):.1f} ms.")
         if a.compare_torchrun:
             print("\nthe same run as a torchrun elastic restart from checkpoint (gloo), with torch's defaults ...",
                   flush=True)
