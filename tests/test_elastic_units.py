@@ -259,3 +259,17 @@ def test_restore_rolls_forward_exactly_once_or_back_to_the_snapshot(store: dist.
     assert (state.loaded, applied, c.committed, c.next_step) == ([{"w": 1}], [7], 7, 8), "step 8 undone"
     with pytest.raises(RecoveryError, match="committed 5, cannot resume at 8"):
         _bare(store, committed=5)._restore(d)
+
+
+def test_detector_config_comes_from_the_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert DetectorConfig.from_env() == DetectorConfig()
+    monkeypatch.setenv("RESILIENT_COMM_HEARTBEAT_MS", "50")
+    monkeypatch.setenv("RESILIENT_COMM_SILENCE_FLOOR_MS", "300")
+    monkeypatch.setenv("RESILIENT_COMM_SLOW_FACTOR", "4")
+    cfg = DetectorConfig.from_env()
+    assert (cfg.heartbeat_s, cfg.silence_floor_s, cfg.straggler_floor_s, cfg.slow_factor) == (0.05, 0.3, 5.0, 4.0)
+    monkeypatch.setenv("RESILIENT_COMM_SLOW_FACTOR", "fast")
+    with pytest.raises(ValueError, match="RESILIENT_COMM_SLOW_FACTOR='fast' is not a number"):
+        DetectorConfig.from_env()
+    with pytest.raises(ValueError, match="heartbeat_s must be a positive number"):
+        DetectorConfig(heartbeat_s=0)

@@ -31,7 +31,15 @@ namespace resilient_comm::env {
     "the watchdog aborts an op this long after its deadline if the transport has not failed it") \
   X(kAbortBoundMs, "RESILIENT_COMM_ABORT_BOUND_MS", "2000",                                      \
     "longest wait for a communicator abort; past it the process is marked tainted and goes on")  \
-  X(kLogLevel, "RESILIENT_COMM_LOG_LEVEL", "warning", "debug, info, warning or error")
+  X(kLogLevel, "RESILIENT_COMM_LOG_LEVEL", "warning", "debug, info, warning or error")           \
+  X(kHeartbeatMs, "RESILIENT_COMM_HEARTBEAT_MS", "100",                                          \
+    "elastic: heartbeat period of every member, in ms")                                          \
+  X(kSilenceFloorMs, "RESILIENT_COMM_SILENCE_FLOOR_MS", "1000",                                  \
+    "elastic: a silent heartbeat is suspected past max(this, slow factor x its p99 step + comm)") \
+  X(kStragglerFloorMs, "RESILIENT_COMM_STRAGGLER_FLOOR_MS", "5000",                              \
+    "elastic: a rank computing while others wait is suspected past max(this, the same bound)")   \
+  X(kSlowFactor, "RESILIENT_COMM_SLOW_FACTOR", "10",                                             \
+    "elastic: the dead-vs-slow bound's multiple of a rank's own p99 step time")
 
 enum class Knob {
 #define RC_KNOB_ENUM(id, name, dflt, doc) id,

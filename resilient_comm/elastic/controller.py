@@ -287,7 +287,8 @@ class Controller:
         self._fatal: str | None = None
         self._finished = False
         self._idle = False  # a spare that was never placed: nothing to run
-        self._detector = Detector(self._m, self.rank, detector or DetectorConfig(), self._on_gone, self._on_store_lost)
+        self._detector = Detector(self._m, self.rank, detector or DetectorConfig.from_env(), self._on_gone,
+                                  self._on_store_lost)
         atexit.register(self._detector.stop)  # also when the script never calls close()
         if self.is_spare:
             self._watching = set()

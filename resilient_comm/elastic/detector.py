@@ -55,7 +55,9 @@ WAITING = ("sync", "recovery", "done")  # phases in which a rank waits for the o
 
 @dataclass(frozen=True)
 class DetectorConfig:
-    """Detection knobs (see the module docstring for the bounds they feed)."""
+    """Detection knobs (see the module docstring for the bounds they feed). The controller's
+    default is `from_env()`: the ``RESILIENT_COMM_{HEARTBEAT_MS, SILENCE_FLOOR_MS,
+    STRAGGLER_FLOOR_MS, SLOW_FACTOR}`` knobs, whose defaults are these."""
 
     heartbeat_s: float = 0.1
     silence_floor_s: float = 1.0
@@ -63,6 +65,29 @@ class DetectorConfig:
     slow_factor: float = 10.0
     window: int = 100  # step times kept for the p99
     min_silent_reads: int = 5
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_s", "silence_floor_s", "straggler_floor_s", "slow_factor"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"DetectorConfig.{name} must be a positive number, got {value!r}")
+
+    @classmethod
+    def from_env(cls) -> DetectorConfig:
+        from resilient_comm.config import knobs
+
+        k = {kn.name: kn.value for kn in knobs()}
+
+        def num(name: str) -> float:
+            try:
+                return float(k[name])
+            except ValueError:
+                raise ValueError(f"{name}={k[name]!r} is not a number") from None
+
+        return cls(heartbeat_s=num("RESILIENT_COMM_HEARTBEAT_MS") / 1e3,
+                   silence_floor_s=num("RESILIENT_COMM_SILENCE_FLOOR_MS") / 1e3,
+                   straggler_floor_s=num("RESILIENT_COMM_STRAGGLER_FLOOR_MS") / 1e3,
+                   slow_factor=num("RESILIENT_COMM_SLOW_FACTOR"))
 
 
 def comm_cost_s(nbytes: int, world: int) -> float:
