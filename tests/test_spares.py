@@ -146,6 +146,7 @@ def test_a_spare_takes_the_dead_ranks_place_with_its_peers_state(tmp_path: Any, 
     # The pool was refilled: a new spare was started, and stopped at the end.
     spares = [w for w in job.launcher.workers if w.spare]
     assert [w.rank for w in spares] == [spare, spare + 1] and spares[1].status == 128 + signal.SIGTERM
+    assert [w.local_rank for w in spares] == [WORLD, victim], "a refill spare takes the freed device"
 
 
 @pytest.mark.timeout(200)

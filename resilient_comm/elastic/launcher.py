@@ -21,8 +21,10 @@ What it does, and how it differs from torchrun:
   0 when all of them exited 0, else the first failure's code (128+N for signal N). A plain
   torch script (no controller) is judged on every worker.
 - ``--spares K`` (node 0): starts K *hot spares* besides the workers: the same command with
-  ``RESILIENT_COMM_SPARE=1`` and RANK set to a spare id (``WORLD_SIZE`` and up; LOCAL_RANK is
-  -1). A spare's `Controller` waits warm until the membership gives it a lost rank's place.
+  ``RESILIENT_COMM_SPARE=1`` and RANK set to a spare id (``WORLD_SIZE`` and up). LOCAL_RANK
+  (the device a process may use) is ``nproc + j`` for the j-th initial spare (a node with 8
+  GPUs runs ``--nproc-per-node 7 --spares 1``), and a refill spare gets the local rank of the
+  process whose exit it replaces (that device is free now). A spare's `Controller` waits warm until the membership gives it a lost rank's place.
   Each abnormal exit (a worker's death, a spare's) starts one new spare, up to
   ``--max-spare-starts`` in all (default unlimited), so the pool stays full. Spares that are
   still waiting when every worker has ended are stopped (SIGTERM) and do not count in the
@@ -67,6 +69,7 @@ class Worker:
     log: IO[bytes] | None
     status: int | None = None  # shell-style: code, or 128+signal
     spare: bool = False  # started as a hot spare
+    local_rank: int = 0
 
 
 def describe_status(returncode: int) -> str:
@@ -162,8 +165,8 @@ class Launcher:
         self.workers, self._next_spare, self._ending = [], 0, False
         for local_rank in range(self.nproc):
             self._spawn(self.node_rank * self.nproc + local_rank, local_rank)
-        for _ in range(self.spares):
-            self._start_spare()
+        for j in range(self.spares):
+            self._start_spare(self.nproc + j)
         log.info("started %d workers%s (generation %d, store %s:%d, namespace %s): %s", self.nproc,
                  f" and {self.spares} spares" if self.spares else "", self.generation, self.host, self.port,
                  self.namespace, " ".join(self.cmd))
@@ -175,18 +178,18 @@ class Launcher:
             out = open(os.path.join(self.log_dir, str(self.generation), f"{rank}.log"), "wb")  # noqa: SIM115
         proc = subprocess.Popen(self.cmd, env=self._env(rank, local_rank, spare), start_new_session=True,
                                 stdout=out, stderr=subprocess.STDOUT if out else None)
-        w = Worker(rank, proc, os.pidfd_open(proc.pid), out, spare=spare)
+        w = Worker(rank, proc, os.pidfd_open(proc.pid), out, spare=spare, local_rank=local_rank)
         self._sel.register(w.pidfd, selectors.EVENT_READ, w)
         self.workers.append(w)
         return w
 
-    def _start_spare(self) -> None:
+    def _start_spare(self, local_rank: int) -> None:
         """Start one spare with the next free id (ids are world size and up, per generation)."""
         spare_id = self.world_size + self._next_spare
         self._next_spare += 1
         self.spare_starts += 1
-        w = self._spawn(spare_id, -1, spare=True)
-        log.info("started spare %d (pid %d)", spare_id, w.proc.pid)
+        w = self._spawn(spare_id, local_rank, spare=True)
+        log.info("started spare %d (pid %d, local rank %d)", spare_id, w.proc.pid, local_rank)
 
     def _placed(self) -> set[int]:
         """Spares that the membership has given a place (they are members now)."""
@@ -245,7 +248,7 @@ class Launcher:
                 w.proc.pid, what)
         if self.spares and w.status not in (0, EXIT_EVICTED) and not self._ending and (
                 self.max_spare_starts is None or self.spare_starts < self.spares + self.max_spare_starts):
-            self._start_spare()  # the pool stays full: this one replaces the spare the failure uses
+            self._start_spare(w.local_rank)  # the pool stays full; it takes the freed device
 
     def _stop_idle_spares(self) -> None:
         """Once every worker (and placed spare) has ended, the waiting spares are not needed."""
