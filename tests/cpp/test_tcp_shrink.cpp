@@ -332,3 +332,24 @@ TEST(tcp_stale_hello_from_an_abandoned_build_is_ignored) {
   }
   checkEveryCollective(next, 8);
 }
+
+TEST(tcp_a_survivor_dying_before_the_shrink_fails_the_others_at_once) {
+  Comms comms = makeGroup(4, "deadsurvivor/");
+  failDuring(comms, 3, 16);
+  // Rank 2 survived the failure but dies before it shrinks: its sockets and its listener
+  // close (as the kernel closes a killed process's).
+  comms[2].reset();
+  std::vector<Status> st(2);
+  std::vector<double> ms(2);
+  onEach(2, [&](int r) {
+    const Clock::time_point t0 = Clock::now();
+    auto c = comms[r]->shrink({3}, true, Deadline::after(kLong));
+    st[r] = c.isOk() ? c.value()->waitReady(Deadline::after(kLong)) : c.status();
+    ms[r] = msSince(t0);
+  });
+  for (int r = 0; r < 2; ++r) {
+    CHECK(st[r].code() == StatusCode::kPeerFailure) << "rank " << r << ": " << st[r].toString();
+    CHECK(st[r].message().find("rank 2") != std::string::npos) << st[r].toString();
+    CHECK(ms[r] < 1000) << "rank " << r << " took " << ms[r] << " ms (the deadline is 10 s)";
+  }
+}

@@ -34,15 +34,13 @@ Status buildMesh(const MeshSpec& spec, Listener& listener, std::vector<Peer>& pe
   const int rank = spec.rank;
   const int size = spec.size;
   listener.started(spec.hash);
-  RC_RETURN_IF_ERROR(resyncStreams(rank, spec.hash, peers, mu, dl, abort));
+  std::vector<int> gone;
+  RC_RETURN_IF_ERROR(resyncStreams(rank, spec.hash, peers, mu, dl, abort, &gone));
   *reused = 0;
   for (const Peer& p : peers) {
     *reused += p.sock.valid() ? 1 : 0;
   }
-  for (int j = 0; j < rank; ++j) {
-    if (peers[j].sock.valid()) {
-      continue;  // resynchronised
-    }
+  auto dial = [&](int j) -> Result<Socket> {
     const std::string& addr = spec.addrs[j];
     auto colon = addr.rfind(':');
     if (colon == std::string::npos) {
@@ -50,7 +48,25 @@ Status buildMesh(const MeshSpec& spec, Listener& listener, std::vector<Peer>& pe
     }
     Result<Socket> s =
         connectTo(addr.substr(0, colon), std::stoi(addr.substr(colon + 1)), dl, abort, /*retryRefused=*/!spec.derived);
-    RC_RETURN_IF_ERROR(s.status().withContext("connecting to rank " + std::to_string(j) + " at " + addr));
+    if (!s.isOk()) {
+      return s.status().withContext("connecting to rank " + std::to_string(j) + " at " + addr);
+    }
+    return s;
+  };
+  // A higher rank whose reused stream ended must dial us afresh, unless it died: a dead
+  // process refuses connections, so one probe tells at once instead of at the deadline. A
+  // live peer's accept loop drops the probe (no Hello).
+  for (int j : gone) {
+    if (j > rank) {
+      RC_RETURN_IF_ERROR(dial(j).status());
+    }
+  }
+  for (int j = 0; j < rank; ++j) {
+    if (peers[j].sock.valid()) {
+      continue;  // resynchronised
+    }
+    Result<Socket> s = dial(j);
+    RC_RETURN_IF_ERROR(s.status());
     Hello hello{kWireMagic, rank, size, 0, spec.hash};
     RC_RETURN_IF_ERROR(writeAll(s.value(), &hello, sizeof(hello), dl, abort));
     uint8_t answer = 0;

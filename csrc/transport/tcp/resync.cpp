@@ -168,7 +168,7 @@ Status runPairs(std::vector<Pair>& pairs, std::vector<Peer>& peers, uint64_t has
 }  // namespace
 
 Status resyncStreams(int rank, uint64_t hash, std::vector<Peer>& peers, std::mutex& mu, const Deadline& dl,
-                     const AbortToken& abort) {
+                     const AbortToken& abort, std::vector<int>* gone) {
   std::vector<Pair> pairs;
   for (int j = 0; j < static_cast<int>(peers.size()); ++j) {
     if (j == rank || !peers[j].sock.valid()) {
@@ -197,6 +197,7 @@ Status resyncStreams(int rank, uint64_t hash, std::vector<Peer>& peers, std::mut
     if (p.gone) {
       peers[p.peer].sock.shutdownBoth();
       peers[p.peer].sock = Socket();
+      gone->push_back(p.peer);
     }
   }
   return Status::ok();

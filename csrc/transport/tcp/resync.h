@@ -33,8 +33,8 @@ namespace resilient_comm::tcp {
 
 // Resynchronises every valid socket in `peers` (rank `rank` of the communicator `hash`). A
 // stream that cannot be resynchronised is shut down and replaced, under `mu`, by an invalid
-// socket, for the caller to connect afresh.
+// socket, for the caller to connect afresh; `gone` receives those peers.
 Status resyncStreams(int rank, uint64_t hash, std::vector<Peer>& peers, std::mutex& mu, const Deadline& dl,
-                     const AbortToken& abort);
+                     const AbortToken& abort, std::vector<int>* gone);
 
 }  // namespace resilient_comm::tcp
