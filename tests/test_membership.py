@@ -173,6 +173,50 @@ def test_shrink_with_mismatched_exclude_lists_fails_clearly_within_the_deadline(
         assert v["after_s"] < 1.5, f"rank {rank} took {v['after_s']:.2f} s"
 
 
+def _survivor_dies_before_shrink(ctx: WorkerContext) -> dict:
+    ctx.init("resilient_tcp", timeout_s=30)
+    store = ctx.store()
+    t = torch.ones(16)
+    i = 0
+    try:
+        while True:
+            dist.all_reduce(t)
+            i += 1
+            if i == 10:
+                store.set(f"looping/{ctx.rank}", "1")
+    except resilient_comm.CommError:
+        pass
+    store.set(f"failed/{ctx.rank}", "1")
+    store.wait(["dead/2"])  # rank 2 is SIGKILLed here, after it saw the first failure
+    start = time.monotonic()
+    try:
+        resilient_comm.shrink([3])
+        dist.all_reduce(torch.ones(1))
+        return {"error": None, "after_s": time.monotonic() - start}
+    except dist.DistBackendError as e:
+        return {"error": f"{type(e).__name__}: {e}", "after_s": time.monotonic() - start}
+
+
+@pytest.mark.timeout(90)
+def test_a_survivor_killed_before_the_shrink_fails_the_others_fast() -> None:
+    with start_workers(_survivor_dies_before_shrink, 4, timeout_s=60) as w:
+        for r in range(4):
+            w.wait_key(f"looping/{r}")
+        w.kill(3, signal.SIGKILL)
+        for r in range(3):
+            w.wait_key(f"failed/{r}")
+        w.kill(2, signal.SIGKILL)
+        w.procs[2].join(10)  # exited: the kernel has closed its sockets and its listener
+        assert not w.procs[2].is_alive()
+        w.store.set("dead/2", "1")
+        results = w.join()
+    for res in results[:2]:
+        assert res.ok, res.error
+        v = res.value
+        assert v["error"] is not None and "PeerFailureError" in v["error"] and "rank 2" in v["error"], v
+        assert v["after_s"] < 1.0, f"rank {res.rank} took {v['after_s']:.2f} s (the op timeout is 30 s)"
+
+
 def _split_and_grow(ctx: WorkerContext, existing: int) -> dict:
     store = ctx.store()
     res: dict = {}
