@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import resilient_comm
+from resilient_comm.groups import _backend
 from resilient_comm.testing import WorkerContext, run_workers, start_workers
 
 
@@ -89,6 +90,7 @@ def _shrink_after_kill(ctx: WorkerContext, victims: list[int], numel: int) -> di
     return {
         "kind": kind,
         "shrink_s": shrink_s,
+        "reused": _backend(pg).reused_connections(),
         "new": (dist.get_rank(), dist.get_world_size(), pg is dist.group.WORLD),
         "expected_rank": survivors.index(ctx.rank),
         "bad": _check_collectives(pg, tag=1.0),
@@ -120,6 +122,99 @@ def test_survivors_shrink_after_sigkill_and_every_collective_works(
         assert (rank, size, is_world) == (v["expected_rank"], world_size - len(victims), True)
         assert v["bad"] == [], v["bad"]
         assert v["shrink_s"] < 2.0, f"shrink + first all_reduce took {v['shrink_s']:.3f} s"
+        # The survivors' connections are resynchronised and kept, not rebuilt; only a stream
+        # that the failure cut in the middle of a (large) message is connected afresh.
+        assert 0 <= v["reused"] <= size - 1, v
+        if numel <= 16:
+            assert v["reused"] == size - 1, v
+
+
+def _mismatched_shrink(ctx: WorkerContext) -> dict:
+    ctx.init("resilient_tcp", timeout_s=3)  # also the deadline of the shrink's build
+    store = ctx.store()
+    t = torch.ones(16)
+    i = 0
+    try:
+        while True:
+            dist.all_reduce(t)
+            i += 1
+            if i == 10:
+                store.set(f"looping/{ctx.rank}", "1")
+    except resilient_comm.CommError:
+        pass
+    # Rank 3 died; ranks 0 and 1 exclude it, rank 2 wrongly excludes rank 1 instead.
+    exclude = [1] if ctx.rank == 2 else [3]
+    start = time.monotonic()
+    try:
+        resilient_comm.shrink(exclude)
+        dist.all_reduce(torch.ones(1))
+        return {"error": None, "after_s": time.monotonic() - start}
+    except dist.DistBackendError as e:
+        return {"error": f"{type(e).__name__}: {e}", "after_s": time.monotonic() - start}
+
+
+@pytest.mark.timeout(90)
+def test_shrink_with_mismatched_exclude_lists_fails_clearly_within_the_deadline() -> None:
+    with start_workers(_mismatched_shrink, 4, timeout_s=60) as w:
+        for r in range(4):
+            w.wait_key(f"looping/{r}")
+        w.kill(3, signal.SIGKILL)
+        results = w.join()
+    by_rank = {r.rank: r for r in results if r.rank != 3}
+    for rank, res in by_rank.items():
+        assert res.ok, res.error
+        v = res.value
+        assert v["error"] is not None, f"rank {rank} built a group from mismatched exclude lists"
+        assert v["after_s"] < 3.0 + 1.0, f"rank {rank} took {v['after_s']:.2f} s"
+    # Ranks 0 and 2 disagree directly (their fences name different groups): told at once.
+    for rank in (0, 2):
+        v = by_rank[rank].value
+        assert "different communicator" in v["error"] and "CommMismatchError" in v["error"], v
+        assert v["after_s"] < 1.5, f"rank {rank} took {v['after_s']:.2f} s"
+
+
+def _survivor_dies_before_shrink(ctx: WorkerContext) -> dict:
+    ctx.init("resilient_tcp", timeout_s=30)
+    store = ctx.store()
+    t = torch.ones(16)
+    i = 0
+    try:
+        while True:
+            dist.all_reduce(t)
+            i += 1
+            if i == 10:
+                store.set(f"looping/{ctx.rank}", "1")
+    except resilient_comm.CommError:
+        pass
+    store.set(f"failed/{ctx.rank}", "1")
+    store.wait(["dead/2"])  # rank 2 is SIGKILLed here, after it saw the first failure
+    start = time.monotonic()
+    try:
+        resilient_comm.shrink([3])
+        dist.all_reduce(torch.ones(1))
+        return {"error": None, "after_s": time.monotonic() - start}
+    except dist.DistBackendError as e:
+        return {"error": f"{type(e).__name__}: {e}", "after_s": time.monotonic() - start}
+
+
+@pytest.mark.timeout(90)
+def test_a_survivor_killed_before_the_shrink_fails_the_others_fast() -> None:
+    with start_workers(_survivor_dies_before_shrink, 4, timeout_s=60) as w:
+        for r in range(4):
+            w.wait_key(f"looping/{r}")
+        w.kill(3, signal.SIGKILL)
+        for r in range(3):
+            w.wait_key(f"failed/{r}")
+        w.kill(2, signal.SIGKILL)
+        w.procs[2].join(10)  # exited: the kernel has closed its sockets and its listener
+        assert not w.procs[2].is_alive()
+        w.store.set("dead/2", "1")
+        results = w.join()
+    for res in results[:2]:
+        assert res.ok, res.error
+        v = res.value
+        assert v["error"] is not None and "PeerFailureError" in v["error"] and "rank 2" in v["error"], v
+        assert v["after_s"] < 1.0, f"rank {res.rank} took {v['after_s']:.2f} s (the op timeout is 30 s)"
 
 
 def _split_and_grow(ctx: WorkerContext, existing: int) -> dict:

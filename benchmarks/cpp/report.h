@@ -3,7 +3,9 @@
 //
 // Per repetition a metric's value is the maximum over the processes that measured it (the
 // slowest rank decides when the group can go on); over repetitions the table shows the
-// median and the p99 (nearest rank: with 20 repetitions, the largest value).
+// median and the p99 (nearest rank: with 20 repetitions, the largest value). A "<key>_sync"
+// metric is derived per repetition from two instants every process recorded: the maximum of
+// "<key>_done_at" minus the maximum of "<key>_call_at" (last return minus last call).
 #pragma once
 
 #include <map>
@@ -22,8 +24,11 @@ struct RepOutcome {
   // Per process index (worldSize + 1 of them): metric key -> milliseconds.
   std::vector<std::map<std::string, double>> perProcess;
 
-  // Max over processes; false if none measured `key`.
+  // Max over processes (or the "_sync" difference above); false if none measured `key`.
   bool value(const std::string& key, double* out) const;
+
+ private:
+  bool maxOver(const std::string& key, double* out) const;
 };
 
 struct WorldResult {

@@ -135,6 +135,12 @@ class RankRun {
   void record(const char* key, Clock::time_point from, Clock::time_point to) {
     record(key, msBetween(from, to));
   }
+  // Also the two instants on the host's steady clock, for the "<key>_sync" metric (report.h).
+  void recordSpan(const char* key, Clock::time_point from, Clock::time_point to) {
+    record(key, from, to);
+    record((std::string(key) + "_call_at").c_str(), msBetween(Clock::time_point(), from));
+    record((std::string(key) + "_done_at").c_str(), msBetween(Clock::time_point(), to));
+  }
 
   Status publish() {
     return storeCall("set", [&] { store_->set(resultKey(index_), bytesOf(results_)); });
@@ -296,14 +302,14 @@ class RankRun {
       const Clock::time_point t0 = Clock::now();
       RC_ASSIGN_OR_RETURN(shrunk, c2->shrink({victim}, /*afterError=*/true, dl()));
       RC_RETURN_IF_ERROR(checkedAllReduce(*shrunk, dl()).withContext("first allReduce after shrink"));
-      record("shrink", t0, Clock::now());
+      recordSpan("shrink", t0, Clock::now());
       return Status::ok();
     };
     auto doReinit = [&]() -> Status {
       const Clock::time_point t0 = Clock::now();
       fresh = create("reinit/", newRank, survivors);
       RC_RETURN_IF_ERROR(checkedAllReduce(*fresh, dl()).withContext("first allReduce after re-init"));
-      record("reinit", t0, Clock::now());
+      recordSpan("reinit", t0, Clock::now());
       return Status::ok();
     };
     RC_RETURN_IF_ERROR(plan_.shrinkFirst ? doShrink() : doReinit());
@@ -341,6 +347,8 @@ const std::vector<Metric>& metrics() {
       {"detect", "SIGKILL -> survivors' allReduce fails", "survivors"},
       {"shrink", "shrink(afterError) -> 1st allReduce", "survivors"},
       {"reinit", "full re-init -> 1st allReduce", "survivors"},
+      {"shrink_sync", "shrink, from the last survivor's call", "last->last"},
+      {"reinit_sync", "re-init, from the last survivor's call", "last->last"},
       {"split", "split(rank%2) -> 1st allReduce", "members"},
       {"grow", "grow N->N+1, join -> 1st allReduce", "all N+1"},
   };

@@ -21,6 +21,10 @@
 //   reinit      survivors: a fresh communicator through the store (new prefix) -> first
 //               allReduce. shrink and reinit alternate which goes first across repetitions
 //               (right after the failure); the other follows a barrier of the survivors.
+//               Each also gets a "from the last call" figure: the last survivor's return
+//               minus the last survivor's call (all processes share the host's steady
+//               clock), which leaves out how far apart the survivors started (the detection
+//               or the barrier's wake-ups), a skew that the per-rank figure includes.
 //
 // Each process writes its measurements (milliseconds) to the store under resultKey(index)
 // before it exits (the victim before it dies); a failure is written under errorKey(index)

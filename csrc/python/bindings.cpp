@@ -109,7 +109,14 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("comm_state",
            [](const ResilientBackend& b) { return std::string(resilient_comm::commStateName(b.cpuComm()->state())); })
-      .def("comm_caps", [](const ResilientBackend& b) { return capsDict(b.cpuComm()->caps()); });
+      .def("comm_caps", [](const ResilientBackend& b) { return capsDict(b.cpuComm()->caps()); })
+      .def("reused_connections",
+           [](const ResilientBackend& b) {
+             auto* tcp = dynamic_cast<const resilient_comm::tcp::TcpCommunicator*>(b.cpuComm().get());
+             return tcp != nullptr ? tcp->reusedConnections() : -1;
+           },
+           "connections the CPU communicator took over from its parent (a shrink after an error); -1 if "
+           "it is not TCP");
 
   m.def("create_backend", &createBackend, py::arg("backend_name"), py::arg("store"), py::arg("rank"),
         py::arg("size"), py::arg("timeout_seconds"), py::arg("group_name"));

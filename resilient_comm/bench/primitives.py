@@ -210,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
           f"torch {host['torch']}, git {host['git_commit']}, load avg before/after "
           f"{load_before[0]:.2f}/{host['loadavg_after'][0]:.2f}")
     print(format_targets(targets))
+    row = next((r for r in doc["results"] if r["world_size"] == TARGET_WORLD_SIZE), None)
+    sync = row["reinit_over_shrink"].get("ratio_of_medians_from_last_call") if row else None
+    if sync:
+        print(f"info: re-init / shrink at {TARGET_WORLD_SIZE} ranks counted from the last survivor's call "
+              f"(without the survivors' start skew; not the target's definition): {sync:.2f}x")
     if rc == 3:
         print("warning: some repetitions failed (see above); their results are left out", file=sys.stderr)
 

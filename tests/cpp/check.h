@@ -64,4 +64,5 @@ class Check {
   static void name();                                                        \
   static ::rc_test::Registrar RC_TEST_CAT(rc_reg_, name)(#name, name);       \
   static void name()
+#undef CHECK  // c10's logging defines one too; the tests use this one
 #define CHECK(cond) ::rc_test::Check((cond), #cond, __FILE__, __LINE__)

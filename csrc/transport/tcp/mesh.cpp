@@ -1,6 +1,7 @@
 #include "transport/tcp/mesh.h"
 
 #include "common/check.h"
+#include "transport/tcp/resync.h"
 #include "transport/tcp/wire.h"
 
 namespace resilient_comm::tcp {
@@ -28,18 +29,44 @@ uint64_t fnv1a(const std::string& s, uint64_t seed) {
   return h;
 }
 
-Status buildMesh(const MeshSpec& spec, const Socket& listener, std::vector<Peer>& peers, std::mutex& mu,
-                 const Deadline& dl, const AbortToken& abort) {
+Status buildMesh(const MeshSpec& spec, Listener& listener, std::vector<Peer>& peers, std::mutex& mu,
+                 const Deadline& dl, const AbortToken& abort, int* reused) {
   const int rank = spec.rank;
   const int size = spec.size;
-  for (int j = 0; j < rank; ++j) {
+  listener.started(spec.hash);
+  std::vector<int> gone;
+  RC_RETURN_IF_ERROR(resyncStreams(rank, spec.hash, peers, mu, dl, abort, &gone));
+  *reused = 0;
+  for (const Peer& p : peers) {
+    *reused += p.sock.valid() ? 1 : 0;
+  }
+  auto dial = [&](int j) -> Result<Socket> {
     const std::string& addr = spec.addrs[j];
     auto colon = addr.rfind(':');
     if (colon == std::string::npos) {
       return Status(StatusCode::kInternal, "malformed address '" + addr + "' for rank " + std::to_string(j));
     }
-    Result<Socket> s = connectTo(addr.substr(0, colon), std::stoi(addr.substr(colon + 1)), dl, abort);
-    RC_RETURN_IF_ERROR(s.status().withContext("connecting to rank " + std::to_string(j) + " at " + addr));
+    Result<Socket> s =
+        connectTo(addr.substr(0, colon), std::stoi(addr.substr(colon + 1)), dl, abort, /*retryRefused=*/!spec.derived);
+    if (!s.isOk()) {
+      return s.status().withContext("connecting to rank " + std::to_string(j) + " at " + addr);
+    }
+    return s;
+  };
+  // A higher rank whose reused stream ended must dial us afresh, unless it died: a dead
+  // process refuses connections, so one probe tells at once instead of at the deadline. A
+  // live peer's accept loop drops the probe (no Hello).
+  for (int j : gone) {
+    if (j > rank) {
+      RC_RETURN_IF_ERROR(dial(j).status());
+    }
+  }
+  for (int j = 0; j < rank; ++j) {
+    if (peers[j].sock.valid()) {
+      continue;  // resynchronised
+    }
+    Result<Socket> s = dial(j);
+    RC_RETURN_IF_ERROR(s.status());
     Hello hello{kWireMagic, rank, size, 0, spec.hash};
     RC_RETURN_IF_ERROR(writeAll(s.value(), &hello, sizeof(hello), dl, abort));
     uint8_t answer = 0;
@@ -55,17 +82,20 @@ Status buildMesh(const MeshSpec& spec, const Socket& listener, std::vector<Peer>
     }
     store(peers, j, s.take(), mu, abort);
   }
-  for (int accepted = 0; accepted < size - 1 - rank;) {
-    Result<Socket> s = acceptOne(listener, dl, abort);
-    if (s.status().code() == StatusCode::kTimeout) {
-      std::string missing;
-      for (int j = rank + 1; j < size; ++j) {
-        std::lock_guard<std::mutex> lock(mu);
-        if (!peers[j].sock.valid()) {
-          missing += (missing.empty() ? "" : ", ") + std::to_string(j);
-        }
+  auto missing = [&] {
+    std::string m;
+    std::lock_guard<std::mutex> lock(mu);
+    for (int j = rank + 1; j < size; ++j) {
+      if (!peers[j].sock.valid()) {
+        m += (m.empty() ? "" : ", ") + std::to_string(j);
       }
-      return Status(StatusCode::kTimeout, "rank(s) " + missing + " never connected before the deadline");
+    }
+    return m;
+  };
+  for (std::string waiting = missing(); !waiting.empty(); waiting = missing()) {
+    Result<Socket> s = acceptOne(listener.socket(), dl, abort);
+    if (s.status().code() == StatusCode::kTimeout) {
+      return Status(StatusCode::kTimeout, "rank(s) " + waiting + " never connected before the deadline");
     }
     RC_RETURN_IF_ERROR(s.status());
     Hello hello{};
@@ -75,6 +105,9 @@ Status buildMesh(const MeshSpec& spec, const Socket& listener, std::vector<Peer>
     }
     if (!st.isOk() || hello.magic != kWireMagic) {
       continue;  // not one of ours, or it gave up: keep accepting
+    }
+    if (hello.commHash != spec.hash && listener.wasStarted(hello.commHash)) {
+      continue;  // left in the backlog by an earlier build on this listener, since abandoned
     }
     if (hello.commHash != spec.hash || hello.size != size || hello.rank <= rank || hello.rank >= size) {
       uint8_t no = kOtherComm;
@@ -95,7 +128,6 @@ Status buildMesh(const MeshSpec& spec, const Socket& listener, std::vector<Peer>
     uint8_t yes = kAccepted;
     RC_RETURN_IF_ERROR(writeAll(s.value(), &yes, 1, dl, abort));
     store(peers, hello.rank, s.take(), mu, abort);
-    ++accepted;
   }
   return Status::ok();
 }

@@ -108,7 +108,8 @@ Result<Socket> listenAnyPort(int* port) {
   return s;
 }
 
-Result<Socket> connectTo(const std::string& host, int port, const Deadline& dl, const AbortToken& abort) {
+Result<Socket> connectTo(const std::string& host, int port, const Deadline& dl, const AbortToken& abort,
+                         bool retryRefused) {
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(static_cast<uint16_t>(port));
@@ -133,6 +134,10 @@ Result<Socket> connectTo(const std::string& host, int port, const Deadline& dl, 
       RC_RETURN_IF_ERROR(setNoDelay(s.fd()));
       return s;
     }
+    if (err == ECONNREFUSED && !retryRefused) {
+      return Status(StatusCode::kPeerFailure,
+                    "connect to " + host + ":" + std::to_string(port) + " refused: the process is gone");
+    }
     if (err != ECONNREFUSED && err != ETIMEDOUT && err != EHOSTUNREACH && err != ENETUNREACH) {
       errno = err;
       return RC_SYS_ERROR(("connect to " + host + ":" + std::to_string(port)).c_str());
@@ -152,6 +157,9 @@ Result<Socket> connectTo(const std::string& host, int port, const Deadline& dl, 
 
 Result<Socket> acceptOne(const Socket& listener, const Deadline& dl, const AbortToken& abort) {
   for (;;) {
+    if (abort.aborted()) {  // an abandoned build must not take a connection a later one needs
+      return Status(StatusCode::kAborted, std::string("accept interrupted: ") + abort.reason());
+    }
     int fd = ::accept4(listener.fd(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd >= 0) {
       Socket s(fd);

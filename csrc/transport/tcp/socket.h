@@ -46,8 +46,10 @@ class Socket {
 
 // Listens on all interfaces on an ephemeral port; `port` receives the port chosen.
 Result<Socket> listenAnyPort(int* port);
-// Connects to host:port, retrying refused connections until the deadline.
-Result<Socket> connectTo(const std::string& host, int port, const Deadline& dl, const AbortToken& abort);
+// Connects to host:port, retrying refused connections until the deadline (or, without
+// `retryRefused`, failing with PeerFailure at the first refusal: nobody listens there).
+Result<Socket> connectTo(const std::string& host, int port, const Deadline& dl, const AbortToken& abort,
+                         bool retryRefused = true);
 // Accepts one connection, or fails at the deadline / on abort.
 Result<Socket> acceptOne(const Socket& listener, const Deadline& dl, const AbortToken& abort);
 // Blocking-style exact read/write on a non-blocking socket, bounded by the deadline.

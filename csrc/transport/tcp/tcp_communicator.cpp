@@ -66,39 +66,60 @@ Status TcpCommunicator::error() const {
 }
 
 void TcpCommunicator::start(std::function<Status(TcpCommunicator&, const Deadline&)> plan, const Deadline& dl) {
+  plan_ = std::move(plan);
+  buildDl_ = dl;
+  if (listener_) {
+    listener_->started(meshHash());  // before anything can abandon it: see Listener
+  }
   std::shared_ptr<TcpCommunicator> self = shared_from_this();
-  std::thread([self, plan = std::move(plan), dl] {
-    Status st = self->opts_.size == 1 ? Status::ok() : plan(*self, dl);
-    std::lock_guard<std::mutex> lock(self->mu_);
-    if (self->state_.load() != CommState::kInitializing) {
-      return;  // aborted meanwhile; abort() recorded the reason
-    }
-    if (st.isOk()) {
-      self->state_.store(CommState::kReady);
-      self->stateSignal_.notify();
-      return;
-    }
-    self->error_ =
-        st.withContext("building group '" + self->opts_.name + "' on rank " + std::to_string(self->opts_.rank));
-    self->state_.store(CommState::kError);
-    self->stateSignal_.notify();
-    for (Peer& p : self->peers_) {
-      p.sock.shutdownBoth();
-    }
-  }).detach();
+  std::thread([self] { self->runBuild(self->buildDl_); }).detach();
+}
+
+void TcpCommunicator::runBuild(const Deadline& dl) {
+  bool unclaimed = false;
+  if (!buildClaimed_.compare_exchange_strong(unclaimed, true)) {
+    return;  // the other candidate runs it
+  }
+  if (state_.load() != CommState::kInitializing) {
+    return;  // aborted before it began
+  }
+  Status st = opts_.size == 1 ? Status::ok() : plan_(*this, dl);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (state_.load() != CommState::kInitializing) {
+    return;  // aborted meanwhile; abort() recorded the reason
+  }
+  if (st.isOk()) {
+    state_.store(CommState::kReady);
+    stateSignal_.notify();
+    return;
+  }
+  error_ = st.withContext("building group '" + opts_.name + "' on rank " + std::to_string(opts_.rank));
+  state_.store(CommState::kError);
+  stateSignal_.notify();
+  socketsShut_.store(true);
+  for (Peer& p : peers_) {
+    p.sock.shutdownBoth();
+  }
 }
 
 Status TcpCommunicator::publishListener(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key) {
   int port = 0;
   Result<Socket> listener = listenAnyPort(&port);
   RC_RETURN_IF_ERROR(listener.status());
-  listener_ = std::make_shared<Socket>(listener.take());
+  listener_ = std::make_shared<Listener>(listener.take());
   return storeSet(store, key, publishedHost() + ":" + std::to_string(port));
 }
 
-Status TcpCommunicator::buildMesh(const Deadline& dl) {
-  MeshSpec spec{opts_.rank, opts_.size, addrs_, fnv1a(epoch_) ^ static_cast<uint64_t>(opts_.size)};
-  return tcp::buildMesh(spec, *listener_, peers_, mu_, dl, abort_);
+uint64_t TcpCommunicator::meshHash() const {
+  return fnv1a(epoch_) ^ static_cast<uint64_t>(opts_.size);
+}
+
+Status TcpCommunicator::buildMesh(const Deadline& dl, bool derived) {
+  MeshSpec spec{opts_.rank, opts_.size, addrs_, meshHash(), derived};
+  int reused = 0;
+  RC_RETURN_IF_ERROR(tcp::buildMesh(spec, *listener_, peers_, mu_, dl, abort_, &reused));
+  reused_.store(reused);
+  return Status::ok();
 }
 
 Status TcpCommunicator::initFromStore(const Deadline& dl) {
@@ -113,7 +134,7 @@ Status TcpCommunicator::initFromStore(const Deadline& dl) {
     keys.push_back(addrKey(j));
   }
   RC_ASSIGN_OR_RETURN(addrs_, storeFetch(opts_.store, keys, dl, abort_));
-  return buildMesh(dl);
+  return buildMesh(dl, /*derived=*/false);
 }
 
 Status TcpCommunicator::joinFromStore(int existingSize, const Deadline& dl) {
@@ -137,11 +158,11 @@ Status TcpCommunicator::joinFromStore(int existingSize, const Deadline& dl) {
                                              " members but this joiner was told " + std::to_string(existingSize));
   }
   addrs_.insert(addrs_.end(), values.begin() + 1, values.end());
-  return buildMesh(dl);
+  return buildMesh(dl, /*derived=*/false);
 }
 
 std::shared_ptr<TcpCommunicator> TcpCommunicator::derive(const std::vector<int>& members, const std::string& tag,
-                                                         const Deadline& dl) {
+                                                         const Deadline& dl, bool adopt) {
   TcpOptions o = opts_;
   o.size = static_cast<int>(members.size());
   o.rank = static_cast<int>(std::find(members.begin(), members.end(), opts_.rank) - members.begin());
@@ -151,8 +172,43 @@ std::shared_ptr<TcpCommunicator> TcpCommunicator::derive(const std::vector<int>&
     child->addrs_.push_back(addrs_[m]);
   }
   child->epoch_ = epoch_ + std::to_string(derived_++) + tag + joinList(members) + "/";
-  child->start([](TcpCommunicator& c, const Deadline& d) { return c.buildMesh(d); }, dl);
+  if (adopt) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!socketsShut_.load()) {
+      for (size_t i = 0; i < members.size(); ++i) {
+        Peer& p = peers_[members[i]];
+        if (p.sock.valid() && !p.dirty && !p.hangupSeen) {
+          child->peers_[i].sock = std::move(p.sock);
+        }
+      }
+    }
+    // The rest (excluded ranks, broken streams) goes down now: a peer still waiting on one
+    // of them learns at once that it is not part of this communicator.
+    socketsShut_.store(true);
+    for (Peer& p : peers_) {
+      p.sock.shutdownBoth();
+    }
+  }
+  child->start([](TcpCommunicator& c, const Deadline& d) { return c.buildMesh(d, /*derived=*/true); }, dl);
   return child;
+}
+
+void TcpCommunicator::retire(const std::string& reason) {
+  bool wasReady = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (state_.load() == CommState::kReady) {
+      error_ = Status(StatusCode::kAborted, "communicator of group '" + opts_.name + "' was aborted: " + reason);
+      state_.store(CommState::kAborted);
+      stateSignal_.notify();
+      wasReady = true;
+    }
+  }
+  abort_.abort(reason);
+  if (wasReady) {
+    sendErrorFrames(peers_, opts_.rank, Status(StatusCode::kAborted, reason), seq_, 0);
+    shutdownDirty();
+  }
 }
 
 Result<std::shared_ptr<Communicator>> TcpCommunicator::shrink(const std::vector<int>& exclude, bool afterError,
@@ -178,7 +234,7 @@ Result<std::shared_ptr<Communicator>> TcpCommunicator::shrink(const std::vector<
   }
   RC_RETURN_IF_ERROR(built(dl));
   if (afterError) {
-    abort("shrunk after an error");
+    retire("shrunk after an error");
   }
   std::vector<int> members;
   for (int r = 0; r < n; ++r) {
@@ -186,7 +242,7 @@ Result<std::shared_ptr<Communicator>> TcpCommunicator::shrink(const std::vector<
       members.push_back(r);
     }
   }
-  return std::shared_ptr<Communicator>(derive(members, "shrink:", dl));
+  return std::shared_ptr<Communicator>(derive(members, "shrink:", dl, /*adopt=*/afterError));
 }
 
 Result<std::shared_ptr<Communicator>> TcpCommunicator::split(int color, int key, const Deadline& dl) {
@@ -205,7 +261,7 @@ Result<std::shared_ptr<Communicator>> TcpCommunicator::split(int color, int key,
     }
   }
   std::stable_sort(members.begin(), members.end(), [&](int a, int b) { return all[2 * a + 1] < all[2 * b + 1]; });
-  return std::shared_ptr<Communicator>(derive(members, "split" + std::to_string(color) + ":", dl));
+  return std::shared_ptr<Communicator>(derive(members, "split" + std::to_string(color) + ":", dl, /*adopt=*/false));
 }
 
 Result<std::shared_ptr<Communicator>> TcpCommunicator::grow(int newSize, const c10::intrusive_ptr<c10d::Store>& store,
@@ -241,7 +297,7 @@ Result<std::shared_ptr<Communicator>> TcpCommunicator::grow(int newSize, const c
         std::vector<std::string> joiners;
         RC_ASSIGN_OR_RETURN(joiners, storeFetch(c.opts_.store, keys, d, c.abort_));
         c.addrs_.insert(c.addrs_.end(), joiners.begin(), joiners.end());
-        return c.buildMesh(d);
+        return c.buildMesh(d, /*derived=*/false);
       },
       dl);
   return std::shared_ptr<Communicator>(child);
@@ -252,10 +308,14 @@ Status TcpCommunicator::poll() {
 }
 
 Status TcpCommunicator::waitReady(const Deadline& deadline) {
+  if (state_.load() == CommState::kInitializing) {
+    runBuild(buildDl_.earliest(deadline));
+  }
   return waitUntilReady(*this, stateSignal_, deadline);
 }
 
 void TcpCommunicator::abort(const std::string& reason) {
+  bool live = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     CommState s = state_.load();
@@ -263,16 +323,29 @@ void TcpCommunicator::abort(const std::string& reason) {
       error_ = Status(StatusCode::kAborted, "communicator of group '" + opts_.name + "' was aborted: " + reason);
       state_.store(CommState::kAborted);
       stateSignal_.notify();
+      live = true;
     }
   }
   abort_.abort(reason);
-  shutdownSockets();
+  if (live) {  // else already failed: no op is in flight, and the peers were told
+    shutdownSockets();
+  }
 }
 
 void TcpCommunicator::shutdownSockets() {
   std::lock_guard<std::mutex> lock(mu_);
+  socketsShut_.store(true);
   for (Peer& p : peers_) {
     p.sock.shutdownBoth();
+  }
+}
+
+void TcpCommunicator::shutdownDirty() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (Peer& p : peers_) {
+    if (p.dirty) {
+      p.sock.shutdownBoth();
+    }
   }
 }
 
@@ -291,7 +364,7 @@ Status TcpCommunicator::fail(const Status& st, const std::string& where) {
     }
   }
   abort_.abort(st.message());
-  shutdownSockets();
+  shutdownDirty();  // the clean ones carried a kError frame (transfer.h)
   // The op that broke the communicator reports its own cause; an op that merely ran into an
   // abort from another thread reports that abort (the first error wins).
   return first ? st : error();

@@ -1,19 +1,34 @@
 // TcpCommunicator: the Communicator contract over TCP sockets (DESIGN.md §3, TCP transport).
 //
-// Lifecycle: create() returns at once in Initializing; a detached init thread publishes this
-// rank's listening address under an epoch-scoped store key, reads every rank's address (the
-// address book), connects a full mesh (see mesh.h) and moves to Ready. The init thread holds
-// a shared_ptr to the communicator, so dropping the last user reference during init is safe;
-// abort() stops it within ~10 ms.
+// Lifecycle: create() returns at once in Initializing; the build publishes this rank's
+// listening address under an epoch-scoped store key, reads every rank's address (the address
+// book), connects a full mesh (see mesh.h) and moves to Ready. The build runs on whichever
+// comes first: a detached init thread started by create(), or the first waitReady() (and so
+// the first collective), which runs it on the caller's thread. The thread gives progress in
+// the background; the caller's thread spares the wait for a new thread to be scheduled, which
+// on a loaded host is often a whole scheduler tick (4 ms), longer than a shrink. The init
+// thread holds a shared_ptr to the communicator, so dropping the last user reference during
+// init is safe; abort() stops the build within ~10 ms.
 //
 // shrink/split/grow build a child the same way, on the child's own init thread, but from the
 // inherited address book and listener: no store round trip for shrink and split (grow uses
 // the store to meet the joiners). The listener lives as long as any communicator derived
 // from it; one shrink/split/grow at a time may be in flight per process and lineage.
 //
-// Threads: one thread at a time calls collectives/poll/waitReady (the backend's worker);
-// abort() from any thread. abort() sets the token and shutdown()s every socket, which wakes
-// the worker's poll at once; fds are closed only in the destructor.
+// [Note: shrink reuses connections]
+// A shrink after an error (afterError, or a parent already failed) hands the parent's clean
+// connections to the survivors' child, which resynchronises them with fence frames instead of
+// building a mesh (resync.h); the parent, which can never be used again, keeps none. So that
+// connections survive a failure, a failed op does not shut every socket down: it tells every
+// peer with a kError frame and shuts down only the streams it left in the middle of a message
+// (transfer.h, "failure propagation"); and abort() shuts sockets down only when it is what
+// moves the communicator out of Initializing/Ready (then a thread may be blocked on them; a
+// communicator already in Error has no op in flight). A shrink without afterError leaves the
+// parent usable, so its child connects afresh.
+//
+// Threads: one thread at a time calls collectives/poll/waitReady/shrink/split/grow (the
+// backend's worker); abort() from any thread. abort() sets the token and shutdown()s every
+// socket, which wakes the worker's poll at once; fds are closed only in the destructor.
 #pragma once
 
 #include <atomic>
@@ -29,6 +44,7 @@
 #include "comm/communicator.h"
 #include "transport/tcp/algorithms/algorithms.h"
 #include "transport/tcp/cost_model.h"
+#include "transport/tcp/mesh.h"
 
 namespace c10d {
 class Store;
@@ -99,6 +115,12 @@ class TcpCommunicator : public Communicator, public std::enable_shared_from_this
   Result<std::shared_ptr<Communicator>> grow(int newSize, const c10::intrusive_ptr<c10d::Store>& store,
                                              const std::string& joinKey, const Deadline& dl) override;
 
+  // Connections this communicator's build took over from its parent and resynchronised
+  // rather than connecting afresh (for tests and benchmarks; 0 until Ready).
+  int reusedConnections() const {
+    return reused_.load();
+  }
+
   // The algorithm the cost model picks (for tests and benchmarks).
   Algo chooseAlgo(OpKind op, size_t bytes) const {
     return model_.choose(op, bytes, opts_.size);
@@ -107,18 +129,26 @@ class TcpCommunicator : public Communicator, public std::enable_shared_from_this
  private:
   explicit TcpCommunicator(TcpOptions opts);
 
-  // Runs `plan` (which ends by building the mesh) on a detached thread, then moves to Ready,
-  // or to Error with the plan's failure.
+  // Starts the build `plan` (which ends by building the mesh), which runBuild() runs once.
   void start(std::function<Status(TcpCommunicator&, const Deadline&)> plan, const Deadline& dl);
+  // Runs the build unless another thread claimed it, then moves to Ready, or to Error with the
+  // plan's failure.
+  void runBuild(const Deadline& dl);
   Status initFromStore(const Deadline& dl);
   Status joinFromStore(int existingSize, const Deadline& dl);
   // Creates this rank's listener and publishes its address under `key`.
   Status publishListener(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key);
-  Status buildMesh(const Deadline& dl);
+  // `derived`: every peer listens already (shrink/split), see MeshSpec.
+  Status buildMesh(const Deadline& dl, bool derived);
+  uint64_t meshHash() const;  // the communicator's identity on the wire (Hello, fences)
   // A child communicator over `members` (parent ranks, in their new order), built from the
-  // address book; `tag` names the move and its arguments in the child's hash.
+  // address book; `tag` names the move and its arguments in the child's hash. With `adopt`
+  // the child takes this communicator's clean connections to the members (see the note above).
   std::shared_ptr<TcpCommunicator> derive(const std::vector<int>& members, const std::string& tag,
-                                          const Deadline& dl);
+                                          const Deadline& dl, bool adopt);
+  // Ends a Ready communicator from its owner's thread without shutting its clean connections
+  // down (every peer gets a kError frame instead), so that a shrink can reuse them.
+  void retire(const std::string& reason);
   // Every collective: checks the state, assigns a sequence number, and on failure records the
   // first error and tears the connections down (see Transfer's failure-propagation note).
   template <typename Fn>
@@ -128,6 +158,8 @@ class TcpCommunicator : public Communicator, public std::enable_shared_from_this
   Status ready(const Deadline& dl);
   Status built(const Deadline& dl);
   void shutdownSockets();
+  // Shuts down the connections marked dirty (owner thread; see transfer.h).
+  void shutdownDirty();
 
   TcpOptions opts_;
   CostModel model_;
@@ -137,13 +169,19 @@ class TcpCommunicator : public Communicator, public std::enable_shared_from_this
   mutable std::mutex mu_;  // guards error_, initError_, peers_ (while init adds sockets)
   Status error_;
   std::vector<Peer> peers_;
+  std::atomic<bool> socketsShut_{false};  // shutdownSockets() ran: nothing is left to reuse
   Scratch scratch_;
   uint64_t seq_ = 0;
   std::vector<uint64_t> sendSeq_;
   std::vector<uint64_t> recvSeq_;
 
-  // Set by the init thread before Ready; read-only afterwards.
-  std::shared_ptr<Socket> listener_;
+  std::function<Status(TcpCommunicator&, const Deadline&)> plan_;  // set by start()
+  Deadline buildDl_ = Deadline::never();
+  std::atomic<bool> buildClaimed_{false};
+  std::atomic<int> reused_{0};
+
+  // Set by the build before Ready; read-only afterwards.
+  std::shared_ptr<Listener> listener_;
   std::vector<std::string> addrs_;  // every rank's listening address
   std::string epoch_;               // unique name of this communicator; children derive theirs
   int derived_ = 0;                 // children made so far (every member counts alike)

@@ -40,7 +40,13 @@ bool wouldBlock(int err) {
 
 Transfer::Transfer(std::vector<Peer>& peers, int self, const MsgMeta& meta, const Deadline& dl,
                    const AbortToken& abort)
-    : peers_(peers), self_(self), meta_(meta), dl_(dl), abort_(abort), q_(peers.size()) {}
+    : peers_(peers),
+      self_(self),
+      meta_(meta),
+      dl_(dl),
+      abort_(abort),
+      q_(peers.size()),
+      ignoreInput_(peers.size(), false) {}
 
 WireHeader Transfer::header(size_t bytes, uint64_t seq, uint64_t tag) const {
   WireHeader h{};
@@ -137,29 +143,68 @@ Status Transfer::checkHeader(int peer, RecvItem& item) {
   return Status::ok();
 }
 
-Status Transfer::peerError(int peer, const RecvItem& item) {
+Status Transfer::peerError(int peer, RecvItem& item) {
   // The text may have landed in the payload buffer already (read with the header).
-  size_t textLen = std::min<size_t>(item.got.bytes, kMaxErrorText);
+  const size_t textLen = std::min<size_t>(item.got.bytes, kMaxErrorText);
+  const size_t inBuf = item.done - kHdr;
   std::string text;
-  size_t have = std::min(item.done - kHdr, std::min<size_t>(textLen, item.expect.bytes));
-  text.assign(item.buf ? item.buf : "", have);
-  while (text.size() < textLen) {
+  text.assign(item.buf ? item.buf : "", std::min(inBuf, textLen));
+  // Clean: exactly this frame was consumed, so the stream sits at the peer's next frame.
+  bool clean = inBuf <= item.got.bytes && item.got.bytes <= kMaxErrorText;
+  while (clean && text.size() < textLen) {
     char buf[kMaxErrorText];
     pollfd p{peers_[peer].sock.fd(), POLLIN, 0};
-    if (::poll(&p, 1, 50) <= 0) {
-      break;
-    }
-    ssize_t r = ::recv(p.fd, buf, textLen - text.size(), MSG_DONTWAIT);
+    ssize_t r = ::poll(&p, 1, 50) > 0 ? ::recv(p.fd, buf, textLen - text.size(), MSG_DONTWAIT) : -1;
     if (r <= 0) {
+      clean = false;
       break;
     }
     text.append(buf, static_cast<size_t>(r));
+  }
+  if (clean) {
+    item.done = 0;
+    item.checked = false;
+  } else {
+    peers_[peer].dirty = true;
   }
   auto code = static_cast<StatusCode>(item.got.dtype);
   if (code != StatusCode::kMismatch && code != StatusCode::kTimeout) {
     code = StatusCode::kPeerFailure;
   }
   return Status(code, "rank " + std::to_string(peer) + " failed: " + text);
+}
+
+Status Transfer::peekUnexpected(int peer) {
+  const int fd = peers_[peer].sock.fd();
+  WireHeader h{};
+  ssize_t r = ::recv(fd, &h, kHdr, MSG_PEEK | MSG_DONTWAIT);
+  if (r < 0 && wouldBlock(errno)) {
+    return Status::ok();
+  }
+  if (r <= 0) {
+    peers_[peer].hangupSeen = true;  // closed or reset: the hang-up checks decide
+    ignoreInput_[peer] = true;
+    return Status::ok();
+  }
+  if (static_cast<size_t>(r) < kHdr) {
+    return Status::ok();  // the rest of the header is on its way
+  }
+  if (h.magic != kWireMagic || h.kind != static_cast<uint8_t>(MsgKind::kError)) {
+    ignoreInput_[peer] = true;
+    return Status::ok();
+  }
+  RecvItem item{h, h, nullptr, kHdr, true, nullptr};
+  (void)::recv(fd, &h, kHdr, MSG_DONTWAIT);  // consume the header peeked at
+  return peerError(peer, item);
+}
+
+void Transfer::markDirty() {
+  for (size_t p = 0; p < q_.size(); ++p) {
+    const Queues& q = q_[p];
+    if ((!q.sends.empty() && q.sends.front().done != 0) || (!q.recvs.empty() && q.recvs.front().done != 0)) {
+      peers_[p].dirty = true;
+    }
+  }
 }
 
 Status Transfer::progressRecv(int peer) {
@@ -220,25 +265,33 @@ std::string Transfer::describePending() const {
   return s;
 }
 
-void Transfer::notifyPeers(const Status& failure) {
-  std::string text = "rank " + std::to_string(self_) + ": " + failure.message();
+void sendErrorFrames(std::vector<Peer>& peers, int self, const Status& failure, uint64_t seq, uint64_t tag) {
+  std::string text = "rank " + std::to_string(self) + ": " + failure.message();
   text.resize(std::min(text.size(), kMaxErrorText));
-  WireHeader h = header(text.size(), meta_.seq, 0);
+  WireHeader h{};
+  h.magic = kWireMagic;
   h.kind = static_cast<uint8_t>(MsgKind::kError);
   h.dtype = static_cast<uint8_t>(failure.code());
-  for (size_t p = 0; p < peers_.size(); ++p) {
-    if (static_cast<int>(p) == self_ || !peers_[p].sock.valid()) {
+  h.seq = seq;
+  h.bytes = text.size();
+  h.tag = tag;
+  for (size_t p = 0; p < peers.size(); ++p) {
+    if (static_cast<int>(p) == self || !peers[p].sock.valid() || peers[p].dirty) {
       continue;
-    }
-    if (!q_[p].sends.empty() && q_[p].sends.front().done != 0) {
-      continue;  // mid-message: the peer learns from the hang-up instead
     }
     iovec iov[2] = {{&h, kHdr}, {text.data(), text.size()}};
     msghdr msg{};
     msg.msg_iov = iov;
     msg.msg_iovlen = 2;
-    (void)::sendmsg(peers_[p].sock.fd(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    ssize_t w = ::sendmsg(peers[p].sock.fd(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w != static_cast<ssize_t>(kHdr + text.size())) {
+      peers[p].dirty = true;  // not (wholly) sent: the hang-up tells the peer instead
+    }
   }
+}
+
+void Transfer::notifyPeers(const Status& failure) {
+  sendErrorFrames(peers_, self_, failure, meta_.seq, 0);
 }
 
 Status Transfer::run() {
@@ -269,8 +322,8 @@ Status Transfer::run() {
         if (!q.sends.empty()) {
           ev |= POLLOUT;
         }
-        if (!q.recvs.empty()) {
-          ev |= POLLIN;
+        if (!q.recvs.empty() || !(ignoreInput_[p] || peers_[p].hangupSeen)) {
+          ev |= POLLIN;  // without a receive queued: watching for a kError frame
         }
         if (ev == 0 && peers_[p].hangupSeen) {
           continue;  // already known to be gone; only an error if an op needs it
@@ -303,6 +356,9 @@ Status Transfer::run() {
         }
         bool involved = !q_[p].sends.empty() || !q_[p].recvs.empty();
         bool hup = (re & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+        if (q_[p].recvs.empty() && (re & POLLIN) && !ignoreInput_[p]) {
+          RC_RETURN_IF_ERROR(peekUnexpected(p));
+        }
         if (!involved) {
           peers_[p].hangupSeen = peers_[p].hangupSeen || hup;
           continue;
@@ -332,8 +388,11 @@ Status Transfer::run() {
     }
     return Status::ok();
   }();
-  if (!st.isOk() && st.code() != StatusCode::kAborted) {
-    notifyPeers(st);
+  if (!st.isOk()) {
+    markDirty();
+    if (st.code() != StatusCode::kAborted) {
+      notifyPeers(st);
+    }
   }
   return st;
 }

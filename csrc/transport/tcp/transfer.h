@@ -7,13 +7,17 @@
 // ranks that send each other large messages never deadlock.
 //
 // [Note: failure propagation]
-// While it waits, run() also watches every other peer's connection for hang-up. A hang-up of a
-// peer this op needs is a PeerFailure; a hang-up of an uninvolved peer is only remembered
-// (it may have finished and exited normally). When run() fails for any reason other than a
-// local abort, it first writes a kError frame with the reason to every peer whose outgoing
-// stream is at a message boundary; the communicator then shuts every connection down. So a
-// failure seen by one rank reaches every rank within milliseconds, with its cause, whether
-// or not they were talking to the rank that died.
+// While it waits, run() also watches every other peer's connection for hang-up and for a
+// kError frame (peeked at when the op is not receiving from that peer). A hang-up of a peer
+// this op needs is a PeerFailure; a hang-up of an uninvolved peer is only remembered (it may
+// have finished and exited normally); a kError from anyone fails the op with the peer's cause.
+// When run() fails, every stream left in the middle of a message (either direction) is marked
+// dirty; then, unless the failure is a local abort, run() writes a whole kError frame with the
+// reason to every clean peer, and marks dirty any peer that could not take the whole frame at
+// once. The communicator shuts the dirty connections down (the peer sees the hang-up) and keeps
+// the clean ones, which sit at a message boundary in both directions and can be resynchronised
+// and reused by a shrink (mesh.h). So a failure seen by one rank reaches every rank within
+// milliseconds, with its cause, whether or not they were talking to the rank that died.
 //
 // Threads: one Transfer at a time per communicator, on the communicator's calling thread.
 #pragma once
@@ -36,7 +40,15 @@ namespace resilient_comm::tcp {
 struct Peer {
   Socket sock;
   bool hangupSeen = false;  // the peer closed its side; only an error if we need it
+  // The stream stopped in the middle of a message (or is shut down): it can never carry
+  // another frame, so a shrink must not reuse it. Written by the thread that owns the stream.
+  bool dirty = false;
 };
+
+// Writes a whole kError frame carrying `failure` (tagged `tag`, see wire.h) to every peer whose
+// stream is clean, without blocking; a peer that cannot take the whole frame at once is marked
+// dirty, for its owner to shut down.
+void sendErrorFrames(std::vector<Peer>& peers, int self, const Status& failure, uint64_t seq, uint64_t tag);
 
 // What every message of one op carries in its header.
 struct MsgMeta {
@@ -91,7 +103,13 @@ class Transfer {
   Status progressSend(int peer, bool* progressed);
   Status progressRecv(int peer);
   Status checkHeader(int peer, RecvItem& item);
-  Status peerError(int peer, const RecvItem& item);
+  // The kError frame whose header `item` holds: reads its text, and leaves the stream at the
+  // next frame (item reset) or marks it dirty.
+  Status peerError(int peer, RecvItem& item);
+  // A peer this op is not receiving from became readable: a kError frame fails the op; anything
+  // else is a later op's message, left alone (the peer is not watched for input again).
+  Status peekUnexpected(int peer);
+  void markDirty();
   std::string describePending() const;
   bool pending() const;
   void notifyPeers(const Status& failure);
@@ -102,6 +120,7 @@ class Transfer {
   Deadline dl_;
   const AbortToken& abort_;
   std::vector<Queues> q_;
+  std::vector<bool> ignoreInput_;  // a later op's message is waiting: stop peeking
   int wakeFd_ = -1;
   Callback onWake_;
 };

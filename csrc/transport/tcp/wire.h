@@ -12,8 +12,13 @@ constexpr uint32_t kWireMagic = 0x52434d31;  // "RCM1"
 enum class MsgKind : uint8_t {
   kData = 1,
   // The sender's communicator failed; `bytes` of UTF-8 text follow, `dtype` holds the
-  // StatusCode. Sent best effort, only at a message boundary.
+  // StatusCode. Sent only at a message boundary, and only whole (see transfer.h). `tag` is 0
+  // for a failure of the communicator that owns the stream, or the hash of a communicator whose
+  // build over a reused stream failed (mesh.h).
   kError = 2,
+  // Resynchronises a reused stream for a shrunk communicator (mesh.h): `tag` holds the new
+  // communicator's hash and `seq` the sender's rank in it; no payload.
+  kFence = 3,
 };
 
 struct WireHeader {

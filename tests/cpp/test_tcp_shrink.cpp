@@ -1,0 +1,355 @@
+// TcpCommunicator's shrink over reused connections (fence resync), with one thread per rank
+// over loopback sockets and an in-process store: a member whose communicator is aborted
+// (every socket shut down, as the kernel does for a killed process) during a collective,
+// then shrink, every collective on the result; abort during the resync; mismatched exclude
+// lists; a stale Hello left on the shared listener by an abandoned build. Real processes
+// and real SIGKILL are in tests/test_membership.py.
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <numeric>
+#include <thread>
+
+#include "check.h"
+#include "transport/tcp/tcp_communicator.h"
+
+using namespace resilient_comm;
+using namespace resilient_comm::tcp;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr std::chrono::milliseconds kLong(10000);
+
+double msSince(Clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+}
+
+// Runs fn(i) for every i in [0, n) on its own thread and joins them (each fn is bounded by
+// its own deadlines).
+void onEach(int n, const std::function<void(int)>& fn) {
+  std::vector<std::thread> ts;
+  for (int i = 0; i < n; ++i) {
+    ts.emplace_back(fn, i);
+  }
+  for (auto& t : ts) {
+    t.join();
+  }
+}
+
+using Comms = std::vector<std::shared_ptr<Communicator>>;
+
+Comms makeGroup(int n, const std::string& prefix) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  Comms out(n);
+  for (int r = 0; r < n; ++r) {
+    TcpOptions o;
+    o.name = "shrink-test";
+    o.store = store;
+    o.prefix = prefix;
+    o.rank = r;
+    o.size = n;
+    out[r] = TcpCommunicator::create(std::move(o), Deadline::after(kLong));
+  }
+  std::vector<Status> st(n);
+  onEach(n, [&](int r) { st[r] = out[r]->waitReady(Deadline::after(kLong)); });
+  for (int r = 0; r < n; ++r) {
+    CHECK(st[r].isOk()) << "rank " << r << ": " << st[r].toString();
+  }
+  return out;
+}
+
+int reused(const std::shared_ptr<Communicator>& c) {
+  return dynamic_cast<TcpCommunicator&>(*c).reusedConnections();
+}
+
+// `victim` dies the way a killed process does (every socket shut down) while the others are
+// inside an allReduce of `count` floats; returns each survivor's failure.
+std::vector<Status> failDuring(Comms& comms, int victim, size_t count) {
+  const int n = static_cast<int>(comms.size());
+  std::vector<Status> st(n);
+  std::atomic<int> started{0};
+  onEach(n, [&](int r) {
+    if (r == victim) {
+      while (started.load() < n - 1) {
+        std::this_thread::yield();  // the others are about to block on it
+      }
+      comms[r]->abort("test: rank " + std::to_string(r) + " dies");
+      return;
+    }
+    std::vector<float> x(count, 1.0f);
+    ++started;
+    for (int i = 0; i < 1000 && st[r].isOk(); ++i) {
+      st[r] = comms[r]->allReduce(x.data(), count, DataType::kFloat32, RedOp::kSum, Deadline::after(kLong));
+    }
+  });
+  return st;
+}
+
+Comms shrinkAll(const Comms& comms, const std::vector<int>& survivors, const std::vector<int>& exclude) {
+  Comms out(survivors.size());
+  std::vector<Status> st(survivors.size());
+  onEach(static_cast<int>(survivors.size()), [&](int i) {
+    auto r = comms[survivors[i]]->shrink(exclude, /*afterError=*/true, Deadline::after(kLong));
+    if (!r.isOk()) {
+      st[i] = r.status();
+      return;
+    }
+    out[i] = r.take();
+    st[i] = out[i]->waitReady(Deadline::after(kLong));
+  });
+  for (size_t i = 0; i < survivors.size(); ++i) {
+    CHECK(st[i].isOk()) << "survivor " << survivors[i] << ": " << st[i].toString();
+  }
+  return out;
+}
+
+// Every collective on `comms` (ranks 0..n-1 of one communicator), checked against local sums.
+void checkEveryCollective(const Comms& comms, size_t count) {
+  const int n = static_cast<int>(comms.size());
+  std::vector<std::string> bad(n);
+  onEach(n, [&](int r) {
+    Communicator& c = *comms[r];
+    auto dl = [] { return Deadline::after(kLong); };
+    auto fail = [&](const std::string& what, const Status& s) {
+      if (!s.isOk() && bad[r].empty()) {
+        bad[r] = what + ": " + s.toString();
+      }
+    };
+    auto expect = [&](const std::string& what, bool ok) {
+      if (!ok && bad[r].empty()) {
+        bad[r] = what + " returned wrong values";
+      }
+    };
+    const float tri = static_cast<float>(n * (n - 1) / 2);
+    std::vector<float> a(count);
+    for (size_t i = 0; i < count; ++i) {
+      a[i] = static_cast<float>(r + i % 7);
+    }
+    Status s = c.allReduce(a.data(), count, DataType::kFloat32, RedOp::kSum, dl());
+    fail("allReduce", s);
+    bool ok = true;
+    for (size_t i = 0; i < count; ++i) {
+      ok = ok && a[i] == tri + static_cast<float>(n * (i % 7));
+    }
+    expect("allReduce", ok);
+    std::vector<float> b(count, static_cast<float>(r));
+    fail("broadcast", c.broadcast(b.data(), count, DataType::kFloat32, n - 1, dl()));
+    expect("broadcast", b[0] == n - 1 && b[count - 1] == n - 1);
+    std::vector<float> red(count, static_cast<float>(r));
+    fail("reduce", c.reduce(red.data(), count, DataType::kFloat32, RedOp::kSum, 0, dl()));
+    expect("reduce", r != 0 || (red[0] == tri && red[count - 1] == tri));
+    std::vector<float> mine(count, static_cast<float>(r)), all(count * n);
+    fail("allGather", c.allGather(mine.data(), all.data(), count, DataType::kFloat32, dl()));
+    ok = true;
+    for (int j = 0; j < n; ++j) {
+      ok = ok && all[j * count] == j && all[j * count + count - 1] == j;
+    }
+    expect("allGather", ok);
+    std::vector<float> rsIn(count * n, 1.0f), rsOut(count);
+    fail("reduceScatter", c.reduceScatter(rsIn.data(), rsOut.data(), count, DataType::kFloat32, RedOp::kSum, dl()));
+    expect("reduceScatter", rsOut[0] == n && rsOut[count - 1] == n);
+    std::vector<float> a2aIn(n), a2aOut(n);
+    for (int j = 0; j < n; ++j) {
+      a2aIn[j] = static_cast<float>(10 * r + j);
+    }
+    std::vector<size_t> ones(n, 1), displs(n);
+    std::iota(displs.begin(), displs.end(), 0);
+    fail("allToAll", c.allToAll(a2aIn.data(), ones, displs, a2aOut.data(), ones, displs, DataType::kFloat32, dl()));
+    ok = true;
+    for (int j = 0; j < n; ++j) {
+      ok = ok && a2aOut[j] == 10 * j + r;
+    }
+    expect("allToAll", ok);
+    float g = static_cast<float>(r);
+    std::vector<float> gathered(n);
+    fail("gather", c.gather(&g, gathered.data(), 1, DataType::kFloat32, 0, dl()));
+    ok = true;
+    for (int j = 0; r == 0 && j < n; ++j) {
+      ok = ok && gathered[j] == j;
+    }
+    expect("gather", ok);
+    std::vector<float> scatterIn(n);
+    std::iota(scatterIn.begin(), scatterIn.end(), 0.0f);
+    float got = -1;
+    fail("scatter", c.scatter(scatterIn.data(), &got, 1, DataType::kFloat32, 0, dl()));
+    expect("scatter", got == r);
+    fail("barrier", c.barrier(dl()));
+    float sendv = static_cast<float>(r), recvv = -1;
+    std::vector<P2POp> ops{{P2POp::Kind::kSend, (r + 1) % n, &sendv, sizeof(float), 0},
+                           {P2POp::Kind::kRecv, (r + n - 1) % n, &recvv, sizeof(float), 0}};
+    fail("sendRecv", c.sendRecv(ops, dl()));
+    expect("sendRecv", recvv == (r + n - 1) % n);
+  });
+  for (int r = 0; r < n; ++r) {
+    CHECK(bad[r].empty()) << "rank " << r << ": " << bad[r];
+  }
+}
+
+// True while thread `tid` of this process sleeps in the kernel.
+bool sleepingInKernel(pid_t tid) {
+  std::ifstream f("/proc/self/task/" + std::to_string(tid) + "/stat");
+  std::string line;
+  std::getline(f, line);
+  size_t p = line.rfind(')');
+  return p != std::string::npos && p + 2 < line.size() && line[p + 2] == 'S';
+}
+
+}  // namespace
+
+TEST(tcp_shrink_after_failure_reuses_every_survivor_connection) {
+  for (int victim : {0, 2, 4}) {
+    Comms comms = makeGroup(5, "reuse" + std::to_string(victim) + "/");
+    std::vector<Status> st = failDuring(comms, victim, 16);
+    std::vector<int> survivors;
+    for (int r = 0; r < 5; ++r) {
+      if (r != victim) {
+        CHECK(!st[r].isOk()) << "rank " << r << " never saw the failure";
+        survivors.push_back(r);
+      }
+    }
+    const Clock::time_point t0 = Clock::now();
+    Comms shrunk = shrinkAll(comms, survivors, {victim});
+    const double ms = msSince(t0);
+    for (size_t i = 0; i < shrunk.size(); ++i) {
+      CHECK(shrunk[i]->rank() == static_cast<int>(i) && shrunk[i]->size() == 4);
+      CHECK(reused(shrunk[i]) == 3) << "survivor " << i << " reused " << reused(shrunk[i]) << " of 3";
+    }
+    CHECK(ms < 2000) << "shrink took " << ms << " ms";
+    checkEveryCollective(shrunk, 16);
+    checkEveryCollective(shrunk, 100000);  // ring-sized, chunked
+  }
+}
+
+TEST(tcp_shrink_after_failure_mid_large_message_falls_back_where_streams_were_cut) {
+  // 4 MiB messages: the failure cuts some streams in the middle of a message; those pairs
+  // connect afresh, the others are reused, and the result is correct either way.
+  Comms comms = makeGroup(4, "large/");
+  failDuring(comms, 1, 1 << 20);
+  Comms shrunk = shrinkAll(comms, {0, 2, 3}, {1});
+  checkEveryCollective(shrunk, 1 << 18);
+  // Shrinking the shrunk group again (a second failure) works as well.
+  std::vector<Status> st = failDuring(shrunk, 2, 16);
+  Comms again = shrinkAll(shrunk, {0, 1}, {2});
+  CHECK(reused(again[0]) + reused(again[1]) <= 2);
+  checkEveryCollective(again, 1000);
+}
+
+TEST(tcp_abort_during_resync_returns_at_once) {
+  Comms comms = makeGroup(3, "abortresync/");
+  failDuring(comms, 2, 16);
+  // Rank 1 does not shrink yet: rank 0's resync waits for its fence until it is aborted.
+  auto r0 = comms[0]->shrink({2}, true, Deadline::after(kLong));
+  CHECK(r0.isOk()) << r0.status().toString();
+  std::shared_ptr<Communicator> child = r0.take();
+  std::atomic<pid_t> tid{0};
+  Status waited;
+  Clock::time_point returned;
+  std::thread waiter([&] {
+    tid.store(static_cast<pid_t>(::syscall(SYS_gettid)));
+    waited = child->waitReady(Deadline::after(kLong));
+    returned = Clock::now();
+  });
+  const Clock::time_point until = Clock::now() + std::chrono::seconds(5);
+  while (Clock::now() < until && (tid.load() == 0 || !sleepingInKernel(tid.load()))) {
+    std::this_thread::yield();
+  }
+  const Clock::time_point aborted = Clock::now();
+  child->abort("test: abort during the resync");
+  waiter.join();
+  const double ms = std::chrono::duration<double, std::milli>(returned - aborted).count();
+  CHECK(waited.code() == StatusCode::kAborted) << waited.toString();
+  CHECK(waited.message().find("abort during the resync") != std::string::npos) << waited.toString();
+  CHECK(ms < 50) << "waitReady returned " << ms << " ms after the abort";
+  // Rank 1's shrink cannot give a working group now: its build fails within the deadline, or
+  // (rank 0's fence had already reached it) the first collective fails, instead of hanging.
+  const Clock::time_point t1 = Clock::now();
+  auto r1 = comms[1]->shrink({2}, true, Deadline::after(std::chrono::milliseconds(500)));
+  CHECK(r1.isOk()) << r1.status().toString();
+  Status s1 = r1.value()->waitReady(Deadline::after(kLong));
+  if (s1.isOk()) {
+    float x = 1;
+    s1 = r1.value()->allReduce(&x, 1, DataType::kFloat32, RedOp::kSum, Deadline::after(kLong));
+  }
+  CHECK(!s1.isOk());
+  CHECK(msSince(t1) < 2000) << "rank 1 took " << msSince(t1) << " ms to fail";
+}
+
+TEST(tcp_shrink_with_mismatched_exclude_lists_fails_within_the_deadline) {
+  Comms comms = makeGroup(4, "mismatch/");
+  failDuring(comms, 3, 16);
+  // Ranks 0 and 1 exclude the dead rank 3; rank 2 wrongly excludes rank 1.
+  std::vector<Status> st(3);
+  std::vector<double> ms(3);
+  onEach(3, [&](int r) {
+    const Clock::time_point t0 = Clock::now();
+    std::vector<int> exclude = r == 2 ? std::vector<int>{1} : std::vector<int>{3};
+    auto c = comms[r]->shrink(exclude, true, Deadline::after(std::chrono::milliseconds(1500)));
+    st[r] = c.isOk() ? c.value()->waitReady(Deadline::after(kLong)) : c.status();
+    ms[r] = msSince(t0);
+  });
+  for (int r = 0; r < 3; ++r) {
+    CHECK(!st[r].isOk()) << "rank " << r << " built a communicator from mismatched arguments";
+    CHECK(ms[r] < 3000) << "rank " << r << " took " << ms[r] << " ms";
+  }
+  // Rank 0 and rank 2 disagree directly: a Mismatch, well before the deadline.
+  for (int r : {0, 2}) {
+    CHECK(st[r].code() == StatusCode::kMismatch) << "rank " << r << ": " << st[r].toString();
+    CHECK(st[r].message().find("different communicator") != std::string::npos) << st[r].toString();
+    CHECK(ms[r] < 1000) << "rank " << r << " took " << ms[r] << " ms";
+  }
+}
+
+TEST(tcp_stale_hello_from_an_abandoned_build_is_ignored) {
+  Comms comms = makeGroup(2, "stale/");
+  // Rank 0's first shrink times out before rank 1 arrives, so nobody ever accepts rank 1's
+  // Hello for it, which stays in the backlog of rank 0's listener.
+  auto a1 = comms[0]->shrink({}, false, Deadline::after(std::chrono::milliseconds(50)));
+  CHECK(a1.isOk());
+  CHECK(a1.value()->waitReady(Deadline::after(kLong)).code() == StatusCode::kTimeout);
+  auto b1 = comms[1]->shrink({}, false, Deadline::after(std::chrono::milliseconds(100)));
+  CHECK(b1.isOk());
+  Status sb1 = b1.value()->waitReady(Deadline::after(kLong));
+  CHECK(sb1.code() == StatusCode::kTimeout) << sb1.toString();
+  CHECK(sb1.message().find("to accept") != std::string::npos) << sb1.toString();
+  // The next shrink on both ranks must skip that Hello, not report a mismatch.
+  std::vector<std::shared_ptr<Communicator>> next(2);
+  std::vector<Status> st(2);
+  onEach(2, [&](int r) {
+    auto c = comms[r]->shrink({}, false, Deadline::after(kLong));
+    st[r] = c.isOk() ? c.value()->waitReady(Deadline::after(kLong)) : c.status();
+    next[r] = c.isOk() ? c.take() : nullptr;
+  });
+  for (int r = 0; r < 2; ++r) {
+    CHECK(st[r].isOk()) << "rank " << r << ": " << st[r].toString();
+  }
+  checkEveryCollective(next, 8);
+}
+
+TEST(tcp_a_survivor_dying_before_the_shrink_fails_the_others_at_once) {
+  Comms comms = makeGroup(4, "deadsurvivor/");
+  failDuring(comms, 3, 16);
+  // Rank 2 survived the failure but dies before it shrinks: its sockets and its listener
+  // close (as the kernel closes a killed process's).
+  comms[2].reset();
+  std::vector<Status> st(2);
+  std::vector<double> ms(2);
+  onEach(2, [&](int r) {
+    const Clock::time_point t0 = Clock::now();
+    auto c = comms[r]->shrink({3}, true, Deadline::after(kLong));
+    st[r] = c.isOk() ? c.value()->waitReady(Deadline::after(kLong)) : c.status();
+    ms[r] = msSince(t0);
+  });
+  for (int r = 0; r < 2; ++r) {
+    CHECK(st[r].code() == StatusCode::kPeerFailure) << "rank " << r << ": " << st[r].toString();
+    CHECK(st[r].message().find("rank 2") != std::string::npos) << st[r].toString();
+    CHECK(ms[r] < 1000) << "rank " << r << " took " << ms[r] << " ms (the deadline is 10 s)";
+  }
+}
