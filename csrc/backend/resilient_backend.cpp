@@ -226,6 +226,11 @@ void ResilientBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool w
   // therefore always honoured).
   (void)waitAllRanks;
   std::chrono::milliseconds timeout = opts.timeout.count() < 0 ? timeout_ : opts.timeout;
+  if (rank_ != 0) {
+    // Rank 0 judges who is missing; the others wait a little longer, so that rank 0's verdict
+    // (forwarded to them in an error frame) is what every rank reports, not their own timeout.
+    timeout += std::max(timeout / 4, std::chrono::milliseconds(200));
+  }
   constexpr uint64_t kTag = 0x6d6f6e69746f72ULL;  // "monitor"
   // Shared with the task: a watchdog expiry can release this thread while the task runs.
   auto bytes = std::make_shared<std::vector<uint8_t>>(size_, 1);
