@@ -25,7 +25,6 @@ from resilient_comm import _C
 from resilient_comm.api import abort, errored, tainted
 from resilient_comm.config import knobs
 from resilient_comm.doctor import nccl_wheel_candidates
-from resilient_comm.groups import grow, join, shrink, split
 from resilient_comm.errors import (
     CommAbortedError,
     CommError,
@@ -33,6 +32,7 @@ from resilient_comm.errors import (
     CommTimeoutError,
     PeerFailureError,
 )
+from resilient_comm.groups import grow, join, shrink, split
 
 __all__ = [
     "BACKENDS",

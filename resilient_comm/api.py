@@ -13,7 +13,7 @@ def _backend(group: dist.ProcessGroup | None) -> _C.ResilientBackend:
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     backend = pg._get_backend(torch.device("cpu"))
     if not isinstance(backend, _C.ResilientBackend):
-        raise ValueError(
+        raise ValueError(  # noqa: TRY004  (the documented contract: ValueError for a bad group)
             f"group {pg.group_name!r} does not use a resilient_comm backend "
             f"(its CPU backend is {type(backend).__name__})"
         )

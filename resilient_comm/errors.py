@@ -56,4 +56,4 @@ class CommMismatchError(CommError):
     """Ranks called different collectives, or the same one with different tensors."""
 
 
-__all__ = ["CommError", "CommTimeoutError", "CommAbortedError", "PeerFailureError", "CommMismatchError"]
+__all__ = ["CommAbortedError", "CommError", "CommMismatchError", "CommTimeoutError", "PeerFailureError"]

@@ -32,11 +32,12 @@ from resilient_comm.api import _backend, errored
 def _check_exclude(exclude_ranks: list[int], pg: dist.ProcessGroup) -> list[int]:
     size, me = pg.size(), pg.rank()
     if not isinstance(exclude_ranks, (list, tuple)):
-        raise ValueError(f"exclude_ranks must be a list of group ranks, got {type(exclude_ranks).__name__}")
+        raise ValueError(  # noqa: TRY004  (bad exclude lists are ValueErrors, like torch's)
+            f"exclude_ranks must be a list of group ranks, got {type(exclude_ranks).__name__}")
     seen: set[int] = set()
     for r in exclude_ranks:
         if not isinstance(r, int) or isinstance(r, bool):
-            raise ValueError(f"exclude_ranks holds {r!r}, which is not a rank (an int)")
+            raise ValueError(f"exclude_ranks holds {r!r}, which is not a rank (an int)")  # noqa: TRY004
         if not 0 <= r < size:
             raise ValueError(f"rank {r} in exclude_ranks is out of range for a group of {size}")
         if r in seen:
@@ -155,7 +156,7 @@ def _adopt(
     pg = dist.ProcessGroup(dist.PrefixStore(f"{name}/", store), backend.rank(), backend.size())
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, backend)
     pg._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
-    pg._set_group_name(name)
+    pg._set_group_name(name)  # type: ignore[arg-type]  # torch 2.13 stubs want a GroupName NewType
     pg._set_group_desc(name)
     if make_default:
         c10d._update_default_pg(pg)
@@ -163,7 +164,7 @@ def _adopt(
         pg,
         backend_name="resilient_tcp",
         store=store,
-        group_name=name,
+        group_name=name,  # type: ignore[arg-type]
         backend_config="cpu:resilient_tcp",
         rank_mapping={g: i for i, g in enumerate(global_ranks)},
     )

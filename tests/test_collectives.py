@@ -470,7 +470,7 @@ class Runner:
     def barrier(self, where: str, rounds: int) -> None:
         """After barrier() returns, every rank must have reached it (keys set before it)."""
         store = dist.distributed_c10d._get_default_store()
-        keys = lambda i: [f"barrier-check/{self.case_no}/{i}/{r}" for r in range(self.ws)]  # noqa: E731
+        keys = lambda i: [f"barrier-check/{self.case_no}/{i}/{r}" for r in range(self.ws)]
         for i in range(rounds):
             if self.rank == i % self.ws:
                 time.sleep(0.05)  # arrive last on purpose

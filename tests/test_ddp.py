@@ -41,7 +41,7 @@ def _ddp(ctx: WorkerContext) -> dict:
     ref = _train(DDP(_model(), process_group=gloo), ctx.rank)
 
     # A comm hook that averages through Work.get_future(), as DDP hooks do.
-    def hook(state, bucket):  # noqa: ANN001
+    def hook(state, bucket):
         t = bucket.buffer().div_(dist.get_world_size())
         return dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0])
 

@@ -47,7 +47,8 @@ import shlex
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from resilient_comm.bench.common import human_bytes, iters_for, machine, parse_size, timed_block
 

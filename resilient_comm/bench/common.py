@@ -10,7 +10,7 @@ import platform
 import re
 import subprocess
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def parse_size(text: str) -> int:
@@ -71,7 +71,7 @@ def machine() -> dict:
     commit = None
     try:
         here = os.path.dirname(os.path.abspath(__file__))
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, cwd=here, capture_output=True,
                                 text=True, timeout=5).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         pass

@@ -29,17 +29,19 @@ def _worker(ctx: Any, sizes: list[int], reps: int, block_s: float) -> list[dict]
 
     ctx.init("resilient_tcp")
     gloo = dist.new_group(backend="gloo")
-    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    world = dist.group.WORLD
+    assert world is not None
+    backend: Any = world._get_backend(torch.device("cpu"))
     rows = []
     for nbytes in sizes:
         t = torch.ones(max(1, nbytes // 4))
         fns = {
-            "direct": lambda k: backend._direct_all_reduce(t, k),
-            "ours": lambda k: [dist.all_reduce(t) for _ in range(k)],
-            "gloo": lambda k: [dist.all_reduce(t, group=gloo) for _ in range(k)],
+            "direct": lambda k, t=t: backend._direct_all_reduce(t, k),
+            "ours": lambda k, t=t: [dist.all_reduce(t) for _ in range(k)],
+            "gloo": lambda k, t=t: [dist.all_reduce(t, group=gloo) for _ in range(k)],
         }
 
-        def per_op(way: str, k: int) -> float:
+        def per_op(way: str, k: int, fns: dict[str, Any] = fns) -> float:
             dist.barrier(group=gloo)
             per = timed_block(lambda: fns[way](k), 1) / k
             m = torch.tensor([per], dtype=torch.float64)

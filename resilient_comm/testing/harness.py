@@ -15,8 +15,9 @@ import os
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Self
 
 import torch.distributed as dist
 
@@ -110,10 +111,10 @@ class Workers:
             results.append(res)
         return results
 
-    def __enter__(self) -> "Workers":
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for p in self.procs:
             if p.is_alive():
                 p.kill()

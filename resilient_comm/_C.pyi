@@ -1,0 +1,5 @@
+# ruff: noqa: N999  (the extension is named _C, as torch._C)
+# Type stub for the compiled extension (csrc/python/bindings.cpp): its names are typed Any.
+from typing import Any
+
+def __getattr__(name: str) -> Any: ...
