@@ -5,6 +5,7 @@
 - `Detector` turns exit reports, heartbeats and dead-vs-slow bounds into evidence.
 - `Mesh` / `plan` / `plan_shrink`: the mesh-aware policy (hot spares fill lost places; without
   one a TP/PP group is atomic and its whole replica leaves).
+- `decision.decide`: an epoch's decision from what the decider read (pure: unit-tested).
 - `TrainState`: a state provider (model, optimizer, RNG, extra state) for the controller;
   `statesync` copies a state between members as tensors (hot spares, laggards).
 - `Launcher` (the ``resilient-run`` command) hosts the store, starts workers, reports exits.

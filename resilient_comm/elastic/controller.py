@@ -72,7 +72,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Protocol, Self
+from typing import Any, Self
 
 import torch
 import torch.distributed as dist
@@ -81,9 +81,11 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import resilient_comm
 from resilient_comm.api import _backend
+from resilient_comm.elastic.decision import decide
 from resilient_comm.elastic.detector import Detector, DetectorConfig
 from resilient_comm.elastic.membership import Decision, Gone, JoinRecord, Membership, now
-from resilient_comm.elastic.policy import DIMS, Mesh, plan
+from resilient_comm.elastic.policy import DIMS, Mesh
+from resilient_comm.elastic.state import Place, StateFactory, Stateful, TrainState
 from resilient_comm.elastic.statesync import recv_state, send_state
 from resilient_comm.elastic.timeline import Timeline
 from resilient_comm.groups import _adopt
@@ -103,58 +105,6 @@ class Evicted(Exception):
 class RecoveryError(RuntimeError):
     """The job cannot go on in-process: no replica survived, the launcher's store is gone, or
     recovery made no progress."""
-
-
-class Stateful(Protocol):
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
-
-
-@dataclass(frozen=True)
-class Place:
-    """Where this process sits in the current mesh. `slot` is the launch rank whose place it
-    holds (itself, or for a hot spare the rank it replaced): use it for per-rank data streams."""
-
-    rank: int
-    slot: int
-    coords: dict[str, int]
-
-
-StateFactory = Callable[[Place], Stateful]
-
-
-class TrainState:
-    """A state provider bundling what a member needs to resume: model, optimizer, the RNG
-    states of this process, and extra state (a data loader's position, counters...): any
-    object with ``state_dict()``/``load_state_dict()``. Pass it as the controller's `state`."""
-
-    def __init__(self, model: Stateful, optimizer: Stateful | None = None, extra: Stateful | None = None,
-                 rng: bool = True) -> None:
-        self.model, self.optimizer, self.extra, self.rng = model, optimizer, extra, rng
-
-    def state_dict(self) -> dict[str, Any]:
-        sd: dict[str, Any] = {"model": self.model.state_dict()}
-        if self.optimizer is not None:
-            sd["optimizer"] = self.optimizer.state_dict()
-        if self.extra is not None:
-            sd["extra"] = self.extra.state_dict()
-        if self.rng:
-            sd["rng"] = {"torch": torch.get_rng_state()}
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                sd["rng"]["cuda"] = torch.cuda.get_rng_state()
-        return sd
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.model.load_state_dict(sd["model"])
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(sd["optimizer"])
-        if self.extra is not None:
-            self.extra.load_state_dict(sd["extra"])
-        if self.rng and "rng" in sd:
-            torch.set_rng_state(sd["rng"]["torch"].clone())
-            if "cuda" in sd["rng"] and torch.cuda.is_available():
-                torch.cuda.set_rng_state(sd["rng"]["cuda"].clone())
 
 
 @dataclass(frozen=True)
@@ -603,57 +553,10 @@ class Controller:
             pace.wait()
 
     def _decide(self, epoch: int, base: Decision, joined: dict[int, JoinRecord], gone: dict[int, Gone]) -> Decision:
-        lost = [i for i, r in enumerate(base.members) if r not in joined]
-        mesh0 = base.mesh_obj()
-        done = self._m.done(base.members)
-        top = max([j.committed for j in joined.values()] + list(done.values()))
         candidates = [r for r in self._m.spares() if r not in set(base.used_spares)]
-        candidates = [r for r in candidates if r not in self._m.gone(candidates)]
-        failed_at = min([gone[base.members[i]].t for i in lost if base.members[i] in gone], default=0.0)
-        slots0 = base.slots or base.members
-
-        def current(r: int) -> bool:  # holds the committed step, or the pending one
-            return r in joined and (joined[r].committed == top or
-                                    (joined[r].committed == top - 1 and joined[r].pending == top))
-
-        for spares in (candidates, []):
-            p = plan(mesh0, lost, spares)
-            evicted = [base.members[i] for i in p.evicted]
-            lost_ranks = [base.members[i] for i in p.lost]
-            if p.mesh is None:
-                return Decision(epoch, [], base.mesh, "fail", top + 1, lost_ranks, evicted, self.rank, now(),
-                                failed_at, f"no replica survived (lost {lost_ranks})")
-            fill = dict(p.replaced)
-            members = [fill.get(i, base.members[i]) for i in p.stay]
-            slots = [slots0[i] for i in p.stay]
-            joiners = [fill[i] for i in p.stay if i in fill]
-            needers = [r for r in members if not current(r)]
-            sources: list[list[int]] = []
-            for r in needers:
-                peers = [members[j] for j in p.mesh.group_ranks(members.index(r), "dp")]
-                donor = next((q for q in peers if q not in needers), None)
-                if donor is None:
-                    break
-                sources.append([r, donor])
-            restore, resume = ("peer" if needers else ""), top + 1
-            ckpt_step: int | None = -1
-            if len(sources) < len(needers):  # someone has no donor: the whole job loads a checkpoint
-                ckpt_step = self._latest_checkpoint(p.mesh.size)
-                if ckpt_step is None and joiners:
-                    continue  # the spares cannot be given a state: shrink without them
-                if ckpt_step is None:
-                    stray = [joined[r] for r in needers if r in joined]
-                    return Decision(epoch, [], base.mesh, "fail", top + 1, lost_ranks, evicted, self.rank, now(),
-                                    failed_at, f"members {needers} are behind step {top} ({stray}) and no member "
-                                               "or checkpoint holds their shard")
-                sources, restore, resume = [], "checkpoint", ckpt_step + 1
-            mode = "init"
-            if p.leaves and not joiners and all(joined[r].applied == epoch - 1 and joined[r].ready for r in members):
-                mode = "shrink"
-            return Decision(epoch, members, p.mesh.as_dict(), mode, resume, lost_ranks, evicted, self.rank, now(),
-                            failed_at, "", joiners, sources, restore, ckpt_step if ckpt_step is not None else -1, sorted(set(base.used_spares) |
-                                                                                       set(joiners)), slots)
-        raise AssertionError("unreachable: the plan without spares always decides")
+        spares = [r for r in candidates if r not in self._m.gone(candidates)]
+        return decide(epoch, base, joined, gone, self._m.done(base.members), spares, self._latest_checkpoint,
+                      self.rank)
 
     def _latest_checkpoint(self, world: int) -> int | None:
         if self._ckpt_dir is None:
