@@ -44,6 +44,29 @@ py::dict capsDict(const resilient_comm::Caps& c) {
   return d;
 }
 
+// What a vendor library loader found, for doctor and tests: {"found": False, "error": what was
+// tried and why it failed}, or {"found": True, "path", <what describe(api, d) adds>, "caps",
+// "symbols": {name: resolved}}. describe() answers the library's capabilities as a dict.
+template <typename Api, typename Describe>
+py::dict probeVendor(resilient_comm::Result<std::shared_ptr<Api>> r, const std::vector<const char*>& symbols,
+                     Describe describe) {
+  py::dict d;
+  d["found"] = r.isOk();
+  if (!r.isOk()) {
+    d["error"] = r.status().message();
+    return d;
+  }
+  const auto& api = r.value();
+  d["path"] = api->path();
+  d["caps"] = describe(*api, d);
+  py::dict syms;
+  for (const char* s : symbols) {
+    syms[s] = api->hasSymbol(s);
+  }
+  d["symbols"] = syms;
+  return d;
+}
+
 // The resilient_comm.errors exception for `info`.
 py::object toPython(const resilient_comm::CommErrorInfo& info) {
   py::object cls = py::module_::import("resilient_comm.errors").attr(info.pythonClass());
@@ -146,31 +169,19 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("probe_hccl", [] {
     // The libhccl loader, for doctor and tests: what was found, or what was tried and why it failed.
-    py::dict d;
-    auto r = resilient_comm::hccl::loadHccl();
-    d["found"] = r.isOk();
-    if (!r.isOk()) {
-      d["error"] = r.status().message();
-      return d;
-    }
-    const auto& api = r.value();
-    auto f = api->features();
-    d["path"] = api->path();
-    py::dict caps;
-    caps["sub_comm"] = f.subComm;
-    caps["reduce"] = f.reduce;
-    caps["all_to_all"] = f.allToAllV;
-    caps["scatter"] = f.scatter;
-    caps["batch_send_recv"] = f.batchSendRecv;
-    caps["suspend"] = f.suspend;
-    caps["resume"] = f.resume;
-    d["caps"] = caps;
-    py::dict syms;
-    for (const char* s : resilient_comm::hccl::hcclSymbols()) {
-      syms[s] = api->hasSymbol(s);
-    }
-    d["symbols"] = syms;
-    return d;
+    return probeVendor(resilient_comm::hccl::loadHccl(), resilient_comm::hccl::hcclSymbols(),
+                       [](const resilient_comm::hccl::HcclApi& api, py::dict&) {
+                         auto f = api.features();
+                         py::dict caps;
+                         caps["sub_comm"] = f.subComm;
+                         caps["reduce"] = f.reduce;
+                         caps["all_to_all"] = f.allToAllV;
+                         caps["scatter"] = f.scatter;
+                         caps["batch_send_recv"] = f.batchSendRecv;
+                         caps["suspend"] = f.suspend;
+                         caps["resume"] = f.resume;
+                         return caps;
+                       });
   });
   m.def("set_nccl_candidates", &resilient_comm::nccl::setNcclCandidates, py::arg("paths"));
   m.def(
@@ -219,33 +230,23 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "probe_nccl",
       [](const std::vector<std::string>& candidates) {
-        py::dict d;
-        auto r = resilient_comm::nccl::loadNccl(candidates);
-        d["found"] = r.isOk();
-        if (!r.isOk()) {
-          d["error"] = r.status().message();
-          return d;
-        }
-        const auto& api = r.value();
-        auto f = api->features();
-        d["path"] = api->path();
-        d["version"] = api->versionString();
-        d["version_code"] = api->version();
-        py::dict caps;
-        caps["non_blocking_init"] = f.nonBlockingInit;
-        caps["abort"] = f.nonBlockingInit;
-        caps["split"] = f.split;
-        caps["shrink"] = f.shrink;
-        caps["revoke"] = f.revoke;
-        caps["grow"] = f.grow;
-        caps["multi_rank_per_device"] = f.multiRankPerDevice;
-        d["caps"] = caps;
-        py::dict syms;
-        for (const char* s : resilient_comm::nccl::ncclSymbols()) {
-          syms[s] = api->hasSymbol(s);
-        }
-        d["symbols"] = syms;
-        return d;
+        return probeVendor(resilient_comm::nccl::loadNccl(candidates), resilient_comm::nccl::ncclSymbols(),
+                           [](const resilient_comm::nccl::NcclApi& api, py::dict& d) {
+                             d["version"] = api.versionString();
+                             d["version_code"] = api.version();
+                             // What the library itself can do (the communicator emulates split,
+                             // shrink and grow by re-init where it cannot).
+                             auto f = api.features();
+                             resilient_comm::Caps c;
+                             c.nonBlockingInit = f.nonBlockingInit;
+                             c.abort = f.nonBlockingInit;
+                             c.split = f.split;
+                             c.shrink = f.shrink;
+                             c.revoke = f.revoke;
+                             c.grow = f.grow;
+                             c.multiRankPerDevice = f.multiRankPerDevice;
+                             return capsDict(c);
+                           });
       },
       py::arg("candidates"));
 }

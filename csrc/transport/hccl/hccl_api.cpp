@@ -1,69 +1,46 @@
 #include "transport/hccl/hccl_api.h"
 
-#include <dlfcn.h>
-#include <link.h>
-
 #include <mutex>
-#include <unordered_map>
 #include <utility>
 
 #include "common/env.h"
 #include "common/logging.h"
+#include "common/vendor_library.h"
 
 namespace resilient_comm::hccl {
 
 namespace {
 
-// X(symbol, required)
-#define RC_HCCL_SYMBOLS(X)            \
-  X(HcclGetRootInfo, true)            \
-  X(HcclCommInitRootInfoConfig, true) \
-  X(HcclCommDestroy, true)            \
-  X(HcclGetCommAsyncError, true)      \
-  X(HcclAllReduce, true)              \
-  X(HcclBroadcast, true)              \
-  X(HcclAllGather, true)              \
-  X(HcclReduceScatter, true)          \
-  X(HcclSend, true)                   \
-  X(HcclRecv, true)                   \
-  X(HcclBarrier, true)                \
-  X(HcclCreateSubCommConfig, false)   \
-  X(HcclReduce, false)                \
-  X(HcclAlltoAllV, false)             \
-  X(HcclScatter, false)               \
-  X(HcclBatchSendRecv, false)         \
-  X(HcclGetErrorString, false)        \
-  X(HcclCommSuspend, false)           \
-  X(HcclCommResume, false)
-
-std::string loadedPath(void* handle, const std::string& fallback) {
-  link_map* map = nullptr;
-  if (dlinfo(handle, RTLD_DI_LINKMAP, &map) == 0 && map != nullptr && map->l_name != nullptr && *map->l_name) {
-    return map->l_name;
-  }
-  return fallback;
+// Every symbol the transport resolves, required ones first; a library without a required one
+// is not used, a missing optional one disables its feature (features()).
+const std::vector<VendorSymbol>& symbolTable() {
+  static const std::vector<VendorSymbol> table = {
+      {"HcclGetRootInfo", true},
+      {"HcclCommInitRootInfoConfig", true},
+      {"HcclCommDestroy", true},
+      {"HcclGetCommAsyncError", true},
+      {"HcclAllReduce", true},
+      {"HcclBroadcast", true},
+      {"HcclAllGather", true},
+      {"HcclReduceScatter", true},
+      {"HcclSend", true},
+      {"HcclRecv", true},
+      {"HcclBarrier", true},
+      {"HcclCreateSubCommConfig", false},
+      {"HcclReduce", false},
+      {"HcclAlltoAllV", false},
+      {"HcclScatter", false},
+      {"HcclBatchSendRecv", false},
+      {"HcclGetErrorString", false},
+      {"HcclCommSuspend", false},
+      {"HcclCommResume", false},
+  };
+  return table;
 }
 
-class DlHcclApi : public HcclApi {
+class DlHcclApi : public DlVendorApi<HcclApi> {
  public:
-  DlHcclApi(void* handle, std::string path) : path_(std::move(path)) {
-    for (const char* s : hcclSymbols()) {
-      syms_[s] = dlsym(handle, s);
-    }
-  }
-
-  std::string path() const override {
-    return path_;
-  }
-  bool hasSymbol(const char* name) const override {
-    auto it = syms_.find(name);
-    return it != syms_.end() && it->second != nullptr;
-  }
-
-  template <typename Fn>
-  Fn fn(const char* name) const {
-    return reinterpret_cast<Fn>(syms_.at(name));
-  }
+  using DlVendorApi::DlVendorApi;
 
 // A missing optional symbol answers HCCL_E_NOT_SUPPORT; callers check features() first.
 #define RC_CALL(name, sig, ...)                 \
@@ -146,10 +123,6 @@ class DlHcclApi : public HcclApi {
     const char* s = f ? f(r) : nullptr;
     return s != nullptr ? s : hcclResultName(r);
   }
-
- private:
-  std::string path_;
-  std::unordered_map<std::string, void*> syms_;
 };
 
 std::mutex& loaderMutex() {
@@ -174,11 +147,7 @@ const char* hcclResultName(HcclResult r) {
 }
 
 const std::vector<const char*>& hcclSymbols() {
-  static const std::vector<const char*> names = {
-#define RC_HCCL_NAME(sym, required) #sym,
-      RC_HCCL_SYMBOLS(RC_HCCL_NAME)
-#undef RC_HCCL_NAME
-  };
+  static const std::vector<const char*> names = symbolNames(symbolTable());
   return names;
 }
 
@@ -200,42 +169,23 @@ Result<std::shared_ptr<HcclApi>> loadHccl() {
   if (loaded) {
     return loaded;
   }
-  std::vector<std::pair<std::string, std::string>> tries;  // (path, how it was chosen)
+  std::vector<VendorCandidate> tries;
   const std::string forced = env::getString(env::Knob::kHcclLib);
   if (!forced.empty()) {
     tries.push_back({forced, "RESILIENT_COMM_HCCL_LIB="});
   }
   tries.push_back({"libhccl.so", ""});
+  VendorLoad found = loadVendorLibrary("libhccl", symbolTable(), tries);
   std::string why;
-  for (const auto& [path, how] : tries) {
-    std::string failure;
-    void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (h == nullptr) {
-      const char* err = dlerror();
-      failure = err ? err : "not loadable";
-      if (failure.rfind(path + ": ", 0) == 0) {  // dlerror names the file; so do we
-        failure = failure.substr(path.size() + 2);
-      }
-    } else {
-      auto api = std::make_shared<DlHcclApi>(h, loadedPath(h, path));
-      std::string missing;
-#define RC_HCCL_REQUIRED(sym, required)                             \
-  if ((required) && !api->hasSymbol(#sym)) {                        \
-    missing += (missing.empty() ? "" : ", ") + std::string(#sym);   \
+  for (const VendorRejection& r : found.rejected) {
+    why += (why.empty() ? " " : "; ") + r.origin + r.path + ": " + r.reason;
   }
-      RC_HCCL_SYMBOLS(RC_HCCL_REQUIRED)
-#undef RC_HCCL_REQUIRED
-      if (missing.empty()) {
-        if (!why.empty()) {
-          RC_LOG(kWarning, "using " << api->path() << " after skipping" << why);
-        }
-        loaded = api;
-        return loaded;
-      }
-      failure = "not a usable libhccl (missing " + missing + ")";
-      dlclose(h);
+  if (found.library) {
+    loaded = std::make_shared<DlHcclApi>(std::move(*found.library));
+    if (!why.empty()) {
+      RC_LOG(kWarning, "using " << loaded->path() << " after skipping" << why);
     }
-    why += (why.empty() ? " " : "; ") + how + path + ": " + failure;
+    return loaded;
   }
   return Status(StatusCode::kNotSupported,
                 "no libhccl found:" + why + " (set RESILIENT_COMM_HCCL_LIB or install the CANN toolkit)");

@@ -163,7 +163,8 @@ struct CommHandle {
 
 HcclCommunicator::HcclCommunicator(std::shared_ptr<HcclApi> api, std::shared_ptr<StreamOps> streams,
                                    HcclOptions opts, const Deadline& initDeadline)
-    : api_(std::move(api)),
+    : CommLifecycle(opts.name, opts.rank, opts.size),
+      api_(std::move(api)),
       streams_(std::move(streams)),
       stream_(streams_->nativeStream()),
       opts_(std::move(opts)),
@@ -209,7 +210,7 @@ Result<std::shared_ptr<HcclCommunicator>> HcclCommunicator::join(std::shared_ptr
 }
 
 HcclCommunicator::~HcclCommunicator() {
-  if (state_.load() == CommState::kInitializing) {
+  if (state() == CommState::kInitializing) {
     own_->released = true;  // an init still running: its thread destroys what it returns
     abort_->abort("communicator of group '" + opts_.name + "' destroyed during its init");
   }
@@ -262,24 +263,8 @@ Caps HcclCommunicator::caps() const {
   return c;
 }
 
-Status HcclCommunicator::error() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return error_;
-}
-
-bool HcclCommunicator::leaveInit(CommState to, const Status& st) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (state_.load() != CommState::kInitializing) {
-    return false;
-  }
-  error_ = st;
-  state_.store(to);
-  stateSignal_.notify();
-  return true;
-}
-
 Status HcclCommunicator::poll() {
-  if (state_.load() == CommState::kInitializing) {
+  if (state() == CommState::kInitializing) {
     bool built = false;
     Status st;
     {
@@ -301,11 +286,7 @@ Status HcclCommunicator::poll() {
       }
     }
   }
-  return pollState(state_.load(), opts_.name, [this] { return error(); });
-}
-
-Status HcclCommunicator::waitReady(const Deadline& deadline) {
-  return waitUntilReady(*this, stateSignal_, deadline);
+  return CommLifecycle::poll();
 }
 
 void HcclCommunicator::release() {
@@ -330,15 +311,7 @@ void HcclCommunicator::release() {
 }
 
 void HcclCommunicator::abort(const std::string& reason) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    CommState s = state_.load();
-    if (s == CommState::kInitializing || s == CommState::kReady) {
-      error_ = Status(StatusCode::kAborted, "communicator of group '" + opts_.name + "' was aborted: " + reason);
-      state_.store(CommState::kAborted);
-      stateSignal_.notify();
-    }
-  }
+  markAborted(reason);
   abort_->abort(reason);
   release();
 }
@@ -347,16 +320,7 @@ Status HcclCommunicator::fail(const Status& st) {
   if (st.isOk() || st.code() == StatusCode::kInvalidArgument) {
     return st;
   }
-  bool first = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (state_.load() == CommState::kReady) {
-      error_ = st;
-      state_.store(CommState::kError);
-      stateSignal_.notify();
-      first = true;
-    }
-  }
+  const bool first = markFailed(st);
   abort_->abort(st.message());
   release();
   return first ? st : error();
@@ -391,10 +355,10 @@ Status HcclCommunicator::waitDone(uint64_t token, const Deadline& dl) {
 Status HcclCommunicator::run(OpKind op, const Deadline& dl,
                              const std::function<HcclResult(HcclComm, aclrtStream)>& launch, const char* what) {
   const uint64_t seq = seq_++;
-  CommState s = state_.load();
+  CommState s = state();
   if (s == CommState::kInitializing) {
     RC_RETURN_IF_ERROR(waitReady(dl));
-    s = state_.load();
+    s = state();
   }
   if (s != CommState::kReady) {
     return error();

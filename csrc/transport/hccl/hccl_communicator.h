@@ -41,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/comm_lifecycle.h"
 #include "comm/communicator.h"
 #include "comm/store_util.h"
 #include "common/abort_token.h"
@@ -74,7 +75,7 @@ struct BuiltComm {
   uint64_t worldId = 0;
 };
 
-class HcclCommunicator : public Communicator {
+class HcclCommunicator : public CommLifecycle {
  public:
   static Result<std::shared_ptr<HcclCommunicator>> create(std::shared_ptr<HcclApi> api, HcclOptions opts,
                                                           const Deadline& initDeadline);
@@ -84,26 +85,13 @@ class HcclCommunicator : public Communicator {
                                                         const Deadline& dl);
   ~HcclCommunicator() override;
 
-  const std::string& name() const override {
-    return opts_.name;
-  }
-  int rank() const override {
-    return opts_.rank;
-  }
-  int size() const override {
-    return opts_.size;
-  }
   Caps caps() const override;
-  CommState state() const override {
-    return state_.load();
-  }
-  Status error() const override;
   uint64_t nextSeq() const override {
     return seq_;
   }
 
+  // Moves an init whose build thread finished, or whose deadline passed, out of Initializing.
   Status poll() override;
-  Status waitReady(const Deadline& deadline) override;
   void abort(const std::string& reason) override;
 
   Status allReduce(void* buf, size_t count, DataType dt, RedOp op, const Deadline& dl) override;
@@ -162,8 +150,6 @@ class HcclCommunicator : public Communicator {
              const char* what);
   Status waitDone(uint64_t token, const Deadline& dl);
   Status fail(const Status& st);
-  // Moves Initializing -> `to` with `st` as the error; false if the state had already moved on.
-  bool leaveInit(CommState to, const Status& st);
   // Gives up this communicator's own HcclComm (see the Notes above); the world's stays.
   void release();
 
@@ -173,10 +159,6 @@ class HcclCommunicator : public Communicator {
   HcclOptions opts_;
   Deadline initDeadline_;
   std::shared_ptr<AbortToken> abort_ = std::make_shared<AbortToken>();  // shared with the build thread
-  std::atomic<CommState> state_{CommState::kInitializing};
-  StateSignal stateSignal_;  // notified after every change of state_
-  mutable std::mutex mu_;  // guards error_ and state transitions
-  Status error_;
   std::shared_ptr<CommHandle> own_;    // this communicator's HcclComm
   std::shared_ptr<CommHandle> world_;  // the world own_ belongs to (own_ itself for a world)
   std::vector<uint32_t> worldRanks_;   // the world rank of each of this communicator's ranks

@@ -1,79 +1,63 @@
 #include "transport/nccl/nccl_api.h"
 
-#include <dlfcn.h>
-#include <link.h>
-
 #include <mutex>
-#include <unordered_map>
+#include <utility>
 
 #include "common/env.h"
+#include "common/vendor_library.h"
 
 namespace resilient_comm::nccl {
 
 namespace {
 
-// X(symbol, required)
-#define RC_NCCL_SYMBOLS(X)           \
-  X(ncclGetVersion, true)            \
-  X(ncclGetUniqueId, true)           \
-  X(ncclCommInitRankConfig, true)    \
-  X(ncclCommGetAsyncError, true)     \
-  X(ncclCommAbort, true)             \
-  X(ncclCommDestroy, true)           \
-  X(ncclCommFinalize, true)          \
-  X(ncclAllReduce, true)             \
-  X(ncclBroadcast, true)             \
-  X(ncclReduce, true)                \
-  X(ncclAllGather, true)             \
-  X(ncclReduceScatter, true)         \
-  X(ncclSend, true)                  \
-  X(ncclRecv, true)                  \
-  X(ncclGroupStart, true)            \
-  X(ncclGroupEnd, true)              \
-  X(ncclGetErrorString, true)        \
-  X(ncclGetLastError, true)          \
-  X(ncclCommSplit, false)            \
-  X(ncclCommShrink, false)           \
-  X(ncclCommRevoke, false)           \
-  X(ncclCommGetUniqueId, false)      \
-  X(ncclCommGrow, false)
-
-std::string loadedPath(void* handle, const std::string& fallback) {
-  link_map* map = nullptr;
-  if (dlinfo(handle, RTLD_DI_LINKMAP, &map) == 0 && map != nullptr && map->l_name != nullptr && *map->l_name) {
-    return map->l_name;
-  }
-  return fallback;
+// Every symbol the transport resolves, required ones first; a library without a required one
+// is not used, a missing optional one disables its feature (features()).
+const std::vector<VendorSymbol>& symbolTable() {
+  static const std::vector<VendorSymbol> table = {
+      {"ncclGetVersion", true},
+      {"ncclGetUniqueId", true},
+      {"ncclCommInitRankConfig", true},
+      {"ncclCommGetAsyncError", true},
+      {"ncclCommAbort", true},
+      {"ncclCommDestroy", true},
+      {"ncclCommFinalize", true},
+      {"ncclAllReduce", true},
+      {"ncclBroadcast", true},
+      {"ncclReduce", true},
+      {"ncclAllGather", true},
+      {"ncclReduceScatter", true},
+      {"ncclSend", true},
+      {"ncclRecv", true},
+      {"ncclGroupStart", true},
+      {"ncclGroupEnd", true},
+      {"ncclGetErrorString", true},
+      {"ncclGetLastError", true},
+      {"ncclCommSplit", false},
+      {"ncclCommShrink", false},
+      {"ncclCommRevoke", false},
+      {"ncclCommGetUniqueId", false},
+      {"ncclCommGrow", false},
+  };
+  return table;
 }
 
-class DlNcclApi : public NcclApi {
- public:
-  DlNcclApi(void* handle, std::string path) : handle_(handle), path_(std::move(path)) {
-    for (const char* s : ncclSymbols()) {
-      syms_[s] = dlsym(handle_, s);
-    }
-    auto getVersion = reinterpret_cast<ncclResult_t (*)(int*)>(syms_["ncclGetVersion"]);
-    if (getVersion == nullptr || getVersion(&version_) != ncclSuccess) {
-      version_ = 0;
-    }
+// 0 when the library has no ncclGetVersion or it fails: such a library is not used.
+int libraryVersion(const VendorLibrary& lib) {
+  auto getVersion = reinterpret_cast<ncclResult_t (*)(int*)>(lib.symbol("ncclGetVersion"));
+  int version = 0;
+  if (getVersion == nullptr || getVersion(&version) != ncclSuccess) {
+    return 0;
   }
+  return version;
+}
+
+class DlNcclApi : public DlVendorApi<NcclApi> {
+ public:
+  explicit DlNcclApi(VendorLibrary lib) : DlVendorApi(std::move(lib)), version_(libraryVersion(library())) {}
 
   int version() const override {
     return version_;
   }
-  std::string path() const override {
-    return path_;
-  }
-  bool hasSymbol(const char* name) const override {
-    auto it = syms_.find(name);
-    return it != syms_.end() && it->second != nullptr;
-  }
-
-  template <typename Fn>
-  Fn fn(const char* name) const {
-    return reinterpret_cast<Fn>(syms_.at(name));
-  }
-
 #define RC_CALL(name, sig, ...)                                   \
   auto f = fn<ncclResult_t(*) sig>(name);                         \
   return f == nullptr ? ncclInvalidUsage : f(__VA_ARGS__)
@@ -163,20 +147,13 @@ class DlNcclApi : public NcclApi {
   }
 
  private:
-  void* handle_;
-  std::string path_;
   int version_ = 0;
-  std::unordered_map<std::string, void*> syms_;
 };
 
 }  // namespace
 
 const std::vector<const char*>& ncclSymbols() {
-  static const std::vector<const char*> names = {
-#define RC_NCCL_NAME(sym, required) #sym,
-      RC_NCCL_SYMBOLS(RC_NCCL_NAME)
-#undef RC_NCCL_NAME
-  };
+  static const std::vector<const char*> names = symbolNames(symbolTable());
   return names;
 }
 
@@ -222,42 +199,28 @@ Result<std::shared_ptr<NcclApi>> loadNccl(const std::vector<std::string>& candid
   if (loaded) {
     return loaded;
   }
-  std::vector<std::pair<std::string, int>> tries;
+  std::vector<VendorCandidate> tries;
   std::string forced = env::getString(env::Knob::kNcclLib);
   if (!forced.empty()) {
-    tries.push_back({forced, RTLD_NOW | RTLD_LOCAL});
+    tries.push_back({forced, ""});
   }
-  tries.push_back({"libnccl.so.2", RTLD_NOW | RTLD_NOLOAD});
+  tries.push_back({"libnccl.so.2", "", /*onlyIfLoaded=*/true});
   for (const std::string& c : defaultCandidates()) {
-    tries.push_back({c, RTLD_NOW | RTLD_LOCAL});
+    tries.push_back({c, ""});
   }
   for (const std::string& c : candidates) {
-    tries.push_back({c, RTLD_NOW | RTLD_LOCAL});
+    tries.push_back({c, ""});
+  }
+  VendorLoad found = loadVendorLibrary("libnccl", symbolTable(), tries, [](const VendorLibrary& lib) {
+    return libraryVersion(lib) == 0 ? std::string("a version") : std::string();
+  });
+  if (found.library) {
+    loaded = std::make_shared<DlNcclApi>(std::move(*found.library));
+    return loaded;
   }
   std::string why;
-  for (const auto& [path, flags] : tries) {
-    void* h = dlopen(path.c_str(), flags);
-    if (h == nullptr) {
-      const char* err = dlerror();
-      if ((flags & RTLD_NOLOAD) == 0) {
-        why += "\n  " + path + ": " + (err ? err : "not loadable");
-      }
-      continue;
-    }
-    auto api = std::make_shared<DlNcclApi>(h, loadedPath(h, path));
-    std::string missing;
-#define RC_NCCL_REQUIRED(sym, required)                    \
-  if ((required) && !api->hasSymbol(#sym)) {               \
-    missing += (missing.empty() ? "" : ", ") + std::string(#sym); \
-  }
-    RC_NCCL_SYMBOLS(RC_NCCL_REQUIRED)
-#undef RC_NCCL_REQUIRED
-    if (!missing.empty() || api->version() == 0) {
-      why += "\n  " + path + ": not a usable libnccl (missing " + (missing.empty() ? "a version" : missing) + ")";
-      continue;
-    }
-    loaded = api;
-    return loaded;
+  for (const VendorRejection& r : found.rejected) {
+    why += "\n  " + r.path + ": " + r.reason;
   }
   return Status(StatusCode::kNotSupported,
                 "no libnccl found (set RESILIENT_COMM_NCCL_LIB or install nvidia-nccl-cu12)" + why);

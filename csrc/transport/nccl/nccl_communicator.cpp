@@ -70,7 +70,10 @@ std::chrono::milliseconds abortBound() {
 
 NcclCommunicator::NcclCommunicator(std::shared_ptr<NcclApi> api, std::shared_ptr<StreamOps> streams,
                                    NcclOptions opts)
-    : api_(std::move(api)), streams_(std::move(streams)), opts_(std::move(opts)) {}
+    : CommLifecycle(opts.name, opts.rank, opts.size),
+      api_(std::move(api)),
+      streams_(std::move(streams)),
+      opts_(std::move(opts)) {}
 
 Result<std::shared_ptr<NcclCommunicator>> NcclCommunicator::create(std::shared_ptr<NcclApi> api,
                                                                    std::shared_ptr<StreamOps> streams,
@@ -122,7 +125,7 @@ NcclCommunicator::~NcclCommunicator() {
   if (comm_ == nullptr) {
     return;
   }
-  if (state_.load() == CommState::kReady) {
+  if (state() == CommState::kReady) {
     // Healthy: flush and free, bounded like an abort.
     auto api = api_;
     ncclComm_t comm = comm_;
@@ -156,11 +159,6 @@ Caps NcclCommunicator::caps() const {
   c.grow = true;  // natively where f.grow, else by re-init
   c.multiRankPerDevice = f.multiRankPerDevice;
   return c;
-}
-
-Status NcclCommunicator::error() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return error_;
 }
 
 Status NcclCommunicator::mapError(const char* what, ncclResult_t r) {
@@ -221,29 +219,12 @@ void NcclCommunicator::start(std::function<Status(NcclCommunicator&, const Deadl
     if (st.isOk()) {
       st = self->settle("communicator init", dl);
     }
-    std::lock_guard<std::mutex> lock(self->mu_);
-    if (self->state_.load() != CommState::kInitializing) {
-      return;  // aborted meanwhile
+    if (!self->finishInit(st) || st.isOk()) {
+      return;  // Ready, or aborted meanwhile
     }
-    if (st.isOk()) {
-      self->state_.store(CommState::kReady);
-      self->stateSignal_.notify();
-      return;
-    }
-    self->error_ = st.withContext("building group '" + self->opts_.name + "' on rank " + std::to_string(self->opts_.rank));
-    self->state_.store(CommState::kError);
-    self->stateSignal_.notify();
     self->abort_.abort(st.message());
     self->abortNccl();
   }).detach();
-}
-
-Status NcclCommunicator::poll() {
-  return pollState(state_.load(), opts_.name, [this] { return error(); });
-}
-
-Status NcclCommunicator::waitReady(const Deadline& deadline) {
-  return waitUntilReady(*this, stateSignal_, deadline);
 }
 
 void NcclCommunicator::abortNccl() {
@@ -259,15 +240,7 @@ void NcclCommunicator::abortNccl() {
 }
 
 void NcclCommunicator::abort(const std::string& reason) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    CommState s = state_.load();
-    if (s == CommState::kInitializing || s == CommState::kReady) {
-      error_ = Status(StatusCode::kAborted, "communicator of group '" + opts_.name + "' was aborted: " + reason);
-      state_.store(CommState::kAborted);
-      stateSignal_.notify();
-    }
-  }
+  markAborted(reason);
   abort_.abort(reason);
   abortNccl();
 }
@@ -276,16 +249,7 @@ Status NcclCommunicator::fail(const Status& st) {
   if (st.isOk() || st.code() == StatusCode::kInvalidArgument) {
     return st;
   }
-  bool first = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (state_.load() == CommState::kReady) {
-      error_ = st;
-      state_.store(CommState::kError);
-      stateSignal_.notify();
-      first = true;
-    }
-  }
+  const bool first = markFailed(st);
   abort_.abort(st.message());
   abortNccl();
   return first ? st : error();
@@ -307,10 +271,10 @@ Status NcclCommunicator::waitDone(uint64_t token, const Deadline& dl) {
 
 Status NcclCommunicator::run(OpKind op, const Deadline& dl, const std::function<Status()>& launch) {
   const uint64_t seq = seq_++;
-  CommState s = state_.load();
+  CommState s = state();
   if (s == CommState::kInitializing) {
     RC_RETURN_IF_ERROR(waitReady(dl));
-    s = state_.load();
+    s = state();
   }
   if (s != CommState::kReady) {
     return error();

@@ -31,6 +31,7 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include "common/abort_token.h"
+#include "comm/comm_lifecycle.h"
 #include "comm/communicator.h"
 #include "transport/nccl/nccl_api.h"
 #include "transport/nccl/stream_ops.h"
@@ -49,7 +50,7 @@ struct NcclOptions {
   int size = 1;
 };
 
-class NcclCommunicator : public Communicator, public std::enable_shared_from_this<NcclCommunicator> {
+class NcclCommunicator : public CommLifecycle, public std::enable_shared_from_this<NcclCommunicator> {
  public:
   // Fails at once if the library cannot do non-blocking init and abort (NCCL < 2.14).
   static Result<std::shared_ptr<NcclCommunicator>> create(std::shared_ptr<NcclApi> api,
@@ -62,26 +63,11 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
                                                         const Deadline& dl);
   ~NcclCommunicator() override;
 
-  const std::string& name() const override {
-    return opts_.name;
-  }
-  int rank() const override {
-    return opts_.rank;
-  }
-  int size() const override {
-    return opts_.size;
-  }
   Caps caps() const override;
-  CommState state() const override {
-    return state_.load();
-  }
-  Status error() const override;
   uint64_t nextSeq() const override {
     return seq_;
   }
 
-  Status poll() override;
-  Status waitReady(const Deadline& deadline) override;
   void abort(const std::string& reason) override;
 
   Status allReduce(void* buf, size_t count, DataType dt, RedOp op, const Deadline& dl) override;
@@ -135,10 +121,6 @@ class NcclCommunicator : public Communicator, public std::enable_shared_from_thi
   std::shared_ptr<StreamOps> streams_;
   NcclOptions opts_;
   AbortToken abort_;
-  std::atomic<CommState> state_{CommState::kInitializing};
-  StateSignal stateSignal_;  // notified after every change of state_
-  mutable std::mutex mu_;  // guards error_
-  Status error_;
   // The NCCL handle, shared with reaper threads that may outlive this object.
   struct Handle {
     std::mutex mu;  // serializes NCCL calls on comm

@@ -28,7 +28,8 @@ std::string joinList(const std::vector<int>& v) {
 }  // namespace
 
 TcpCommunicator::TcpCommunicator(TcpOptions opts)
-    : opts_(std::move(opts)),
+    : CommLifecycle(opts.name, opts.rank, opts.size),
+      opts_(std::move(opts)),
       model_(CostModel::fromEnv()),
       peers_(opts_.size),
       sendSeq_(opts_.size, 0),
@@ -60,11 +61,6 @@ Caps TcpCommunicator::transportCaps() {
   return c;
 }
 
-Status TcpCommunicator::error() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return error_;
-}
-
 void TcpCommunicator::start(std::function<Status(TcpCommunicator&, const Deadline&)> plan, const Deadline& dl) {
   plan_ = std::move(plan);
   buildDl_ = dl;
@@ -80,22 +76,16 @@ void TcpCommunicator::runBuild(const Deadline& dl) {
   if (!buildClaimed_.compare_exchange_strong(unclaimed, true)) {
     return;  // the other candidate runs it
   }
-  if (state_.load() != CommState::kInitializing) {
+  if (state() != CommState::kInitializing) {
     return;  // aborted before it began
   }
   Status st = opts_.size == 1 ? Status::ok() : plan_(*this, dl);
+  // mu_ across the transition and the shutdown: a derive() that adopts sockets sees either a
+  // build still running or every socket already shut.
   std::lock_guard<std::mutex> lock(mu_);
-  if (state_.load() != CommState::kInitializing) {
-    return;  // aborted meanwhile; abort() recorded the reason
+  if (!finishInit(st) || st.isOk()) {
+    return;  // Ready, or aborted meanwhile (abort() recorded the reason)
   }
-  if (st.isOk()) {
-    state_.store(CommState::kReady);
-    stateSignal_.notify();
-    return;
-  }
-  error_ = st.withContext("building group '" + opts_.name + "' on rank " + std::to_string(opts_.rank));
-  state_.store(CommState::kError);
-  stateSignal_.notify();
   socketsShut_.store(true);
   for (Peer& p : peers_) {
     p.sock.shutdownBoth();
@@ -194,16 +184,7 @@ std::shared_ptr<TcpCommunicator> TcpCommunicator::derive(const std::vector<int>&
 }
 
 void TcpCommunicator::retire(const std::string& reason) {
-  bool wasReady = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (state_.load() == CommState::kReady) {
-      error_ = Status(StatusCode::kAborted, "communicator of group '" + opts_.name + "' was aborted: " + reason);
-      state_.store(CommState::kAborted);
-      stateSignal_.notify();
-      wasReady = true;
-    }
-  }
+  const bool wasReady = markRetired(reason);
   abort_.abort(reason);
   if (wasReady) {
     sendErrorFrames(peers_, opts_.rank, Status(StatusCode::kAborted, reason), seq_, 0);
@@ -303,29 +284,15 @@ Result<std::shared_ptr<Communicator>> TcpCommunicator::grow(int newSize, const c
   return std::shared_ptr<Communicator>(child);
 }
 
-Status TcpCommunicator::poll() {
-  return pollState(state_.load(), opts_.name, [this] { return error(); });
-}
-
 Status TcpCommunicator::waitReady(const Deadline& deadline) {
-  if (state_.load() == CommState::kInitializing) {
+  if (state() == CommState::kInitializing) {
     runBuild(buildDl_.earliest(deadline));
   }
-  return waitUntilReady(*this, stateSignal_, deadline);
+  return CommLifecycle::waitReady(deadline);
 }
 
 void TcpCommunicator::abort(const std::string& reason) {
-  bool live = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    CommState s = state_.load();
-    if (s == CommState::kInitializing || s == CommState::kReady) {
-      error_ = Status(StatusCode::kAborted, "communicator of group '" + opts_.name + "' was aborted: " + reason);
-      state_.store(CommState::kAborted);
-      stateSignal_.notify();
-      live = true;
-    }
-  }
+  const bool live = markAborted(reason);
   abort_.abort(reason);
   if (live) {  // else already failed: no op is in flight, and the peers were told
     shutdownSockets();
@@ -353,16 +320,7 @@ Status TcpCommunicator::fail(const Status& st, const std::string& where) {
   if (st.isOk() || st.code() == StatusCode::kInvalidArgument) {
     return st;  // a local argument error leaves the communicator usable
   }
-  bool first = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (state_.load() == CommState::kReady) {
-      error_ = st.withContext(where);
-      state_.store(CommState::kError);
-      stateSignal_.notify();
-      first = true;
-    }
-  }
+  const bool first = markFailed(st.withContext(where));
   abort_.abort(st.message());
   shutdownDirty();  // the clean ones carried a kError frame (transfer.h)
   // The op that broke the communicator reports its own cause; an op that merely ran into an
@@ -377,7 +335,7 @@ Status TcpCommunicator::built(const Deadline& dl) {
   if (st.isOk()) {
     return st;
   }
-  if (state_.load() == CommState::kInitializing || !listener_ || static_cast<int>(addrs_.size()) != opts_.size) {
+  if (state() == CommState::kInitializing || !listener_ || static_cast<int>(addrs_.size()) != opts_.size) {
     return Status(StatusCode::kInvalidArgument,
                   "group '" + opts_.name + "' never finished building, so it cannot be shrunk or grown: " + st.message());
   }
@@ -386,10 +344,10 @@ Status TcpCommunicator::built(const Deadline& dl) {
 
 // Ok if the communicator can run an op (waiting for a pending init, bounded by `dl`).
 Status TcpCommunicator::ready(const Deadline& dl) {
-  CommState s = state_.load();
+  CommState s = state();
   if (s == CommState::kInitializing) {
     RC_RETURN_IF_ERROR(waitReady(dl));
-    s = state_.load();
+    s = state();
   }
   return s == CommState::kReady ? Status::ok() : error();
 }

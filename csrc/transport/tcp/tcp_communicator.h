@@ -41,6 +41,7 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include "common/abort_token.h"
+#include "comm/comm_lifecycle.h"
 #include "comm/communicator.h"
 #include "transport/tcp/algorithms/algorithms.h"
 #include "transport/tcp/cost_model.h"
@@ -60,7 +61,7 @@ struct TcpOptions {
   int size = 1;
 };
 
-class TcpCommunicator : public Communicator, public std::enable_shared_from_this<TcpCommunicator> {
+class TcpCommunicator : public CommLifecycle, public std::enable_shared_from_this<TcpCommunicator> {
  public:
   // Starts a non-blocking init that must finish by `initDeadline`.
   static std::shared_ptr<TcpCommunicator> create(TcpOptions opts, const Deadline& initDeadline);
@@ -69,29 +70,16 @@ class TcpCommunicator : public Communicator, public std::enable_shared_from_this
   static std::shared_ptr<TcpCommunicator> join(TcpOptions opts, int existingSize, const Deadline& dl);
   ~TcpCommunicator() override;
 
-  const std::string& name() const override {
-    return opts_.name;
-  }
-  int rank() const override {
-    return opts_.rank;
-  }
-  int size() const override {
-    return opts_.size;
-  }
   Caps caps() const override {
     return transportCaps();
   }
   // What every TCP communicator can do (for doctor, before any exists).
   static Caps transportCaps();
-  CommState state() const override {
-    return state_.load();
-  }
-  Status error() const override;
   uint64_t nextSeq() const override {
     return seq_;
   }
 
-  Status poll() override;
+  // Runs the build on the caller's thread if the build thread has not claimed it yet.
   Status waitReady(const Deadline& deadline) override;
   void abort(const std::string& reason) override;
 
@@ -164,10 +152,9 @@ class TcpCommunicator : public Communicator, public std::enable_shared_from_this
   TcpOptions opts_;
   CostModel model_;
   AbortToken abort_;
-  std::atomic<CommState> state_{CommState::kInitializing};
-  StateSignal stateSignal_;  // notified after every change of state_
-  mutable std::mutex mu_;  // guards error_, initError_, peers_ (while init adds sockets)
-  Status error_;
+  // Guards peers_ (while init adds sockets). Taken before the lifecycle's own lock where both
+  // are held (runBuild), never after.
+  mutable std::mutex mu_;
   std::vector<Peer> peers_;
   std::atomic<bool> socketsShut_{false};  // shutdownSockets() ran: nothing is left to reuse
   Scratch scratch_;
