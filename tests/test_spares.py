@@ -257,3 +257,32 @@ def test_without_a_donor_every_member_loads_the_newest_checkpoint(tmp_path: Any)
         mine = torch.load(tmp_path / "dump" / f"final-{r}.pt", weights_only=False)["state"]
         theirs = torch.load(tmp_path / "ref" / f"final-{twin}.pt", weights_only=False)["state"]
         assert digest(mine) == digest(theirs), f"rank {r} differs from fault-free rank {twin}"
+
+
+def _join(rank: int, committed: int, pending: int | None = None) -> Any:
+    from resilient_comm.elastic import JoinRecord
+
+    return JoinRecord(rank, 0, True, committed, pending)
+
+
+def test_decision_places_spares_picks_donors_and_falls_back_to_a_checkpoint_or_a_shrink() -> None:
+    from resilient_comm.elastic.decision import decide
+
+    tp2 = Decision(0, [0, 1, 2, 3], Mesh(tp=2, dp=2).as_dict(), "init", 0)
+    joined = {r: _join(r, 9) for r in (0, 2, 3)}
+    # A spare takes rank 1's place; its donor holds the same tp shard in the other replica.
+    d = decide(1, tp2, joined, {}, {}, [7, 8], lambda n: None, by=0)
+    assert (d.members, d.joiners, d.sources, d.restore, d.mode, d.resume_step) == (
+        [0, 7, 2, 3], [7], [[7, 3]], "peer", "init", 10)
+    assert d.slots == [0, 1, 2, 3] and d.used_spares == [7]
+    # dp = 1: no donor for the spare. With a checkpoint complete for 2 ranks, everyone loads it...
+    tp2dp1 = Decision(0, [0, 1], Mesh(tp=2).as_dict(), "init", 0)
+    d = decide(1, tp2dp1, {0: _join(0, 9)}, {}, {}, [5], lambda n: 7 if n == 2 else None, by=0)
+    assert (d.members, d.restore, d.ckpt_step, d.resume_step, d.sources) == ([0, 5], "checkpoint", 7, 8, [])
+    # ... without one the spare is not used, and the lone replica cannot shrink: fail.
+    d = decide(1, tp2dp1, {0: _join(0, 9)}, {}, {}, [5], lambda n: None, by=0)
+    assert d.mode == "fail" and "no replica survived" in d.note and d.joiners == []
+    # A member one behind with the step pending rolls forward: it needs no copy.
+    dp3 = Decision(0, [0, 1, 2], Mesh(dp=3).as_dict(), "init", 0)
+    d = decide(1, dp3, {0: _join(0, 9), 1: _join(1, 8, pending=9)}, {}, {}, [6], lambda n: None, by=0)
+    assert (d.members, d.sources, d.resume_step) == ([0, 1, 6], [[6, 0]], 10)
