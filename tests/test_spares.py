@@ -286,3 +286,31 @@ def test_decision_places_spares_picks_donors_and_falls_back_to_a_checkpoint_or_a
     dp3 = Decision(0, [0, 1, 2], Mesh(dp=3).as_dict(), "init", 0)
     d = decide(1, dp3, {0: _join(0, 9), 1: _join(1, 8, pending=9)}, {}, {}, [6], lambda n: None, by=0)
     assert (d.members, d.sources, d.resume_step) == ([0, 1, 6], [[6, 0]], 10)
+
+
+@pytest.mark.timeout(200)
+def test_a_spare_frozen_while_waiting_is_suspected_once_placed(tmp_path: Any) -> None:
+    hold = 6
+    job = ToyJob(WORLD, ["--steps", str(STEPS), "--dump", str(tmp_path / "dump"), "--hold", f"0:{hold}"],
+                 str(tmp_path), quiet=True, spares=1, max_spare_starts=0).start()
+    m, store = membership(job), job.launcher.client()
+    spare = next(w for w in job.launcher.workers if w.spare)
+    try:
+        wait_for(lambda: m.spares() == [WORLD], "the spare to register")
+        wait_for(lambda: store.check([f"toy/held/0/{hold}"]), "rank 0 to reach the held step")
+        os.kill(spare.proc.pid, signal.SIGSTOP)  # frozen: alive, but its heartbeat stops
+        os.kill(job.pid(2), signal.SIGKILL)
+    finally:
+        store.set(f"toy/go/{hold}", "1")
+    try:
+        wait_for(lambda: all(r in m.done([0, 1, 3]) for r in (0, 1, 3)), "the survivors to finish", 90)
+    finally:
+        os.kill(spare.proc.pid, signal.SIGCONT)  # it finds itself evicted and leaves
+    assert job.wait(60) == 0
+    ds = decisions(job)
+    assert ds[1].joiners == [WORLD] and ds[-1].members == [0, 1, 3], ds
+    assert m.gone([WORLD])[WORLD].kind == "suspect", m.gone([WORLD])
+    for r in (0, 1, 3):
+        f = final(job, r)
+        assert f["committed"] == STEPS - 1 and f["members"] == [0, 1, 3]
+        assert all(tl["ms"]["total"] < 20000 for tl in f["recoveries"]), f["recoveries"]

@@ -586,6 +586,10 @@ class Controller:
         self.applied_epoch, self._decision, self._ready = d.epoch, d, False
         me, mesh = d.members.index(self.rank), d.mesh_obj()
         self._resolve_state()
+        # Watch the new members from the start of the build: a spare that froze while it waited
+        # (it heartbeats, but nobody watched it) is suspected by silence instead of holding the
+        # build until the op timeout.
+        self._detector.watch(d.members, self._comm_bytes)
         if d.mode == "shrink":
             assert base is not None
             for pg in [g for g in old if g is not c10d._get_default_group()]:
