@@ -129,6 +129,17 @@ def test_survivors_shrink_after_sigkill_and_every_collective_works(
             assert v["reused"] == size - 1, v
 
 
+def _timed_shrink(exclude: list[int]) -> dict:
+    """Shrink without `exclude`, then one all_reduce: the error (or None) and how long it took."""
+    start = time.monotonic()
+    try:
+        resilient_comm.shrink(exclude)
+        dist.all_reduce(torch.ones(1))
+        return {"error": None, "after_s": time.monotonic() - start}
+    except dist.DistBackendError as e:
+        return {"error": f"{type(e).__name__}: {e}", "after_s": time.monotonic() - start}
+
+
 def _mismatched_shrink(ctx: WorkerContext) -> dict:
     ctx.init("resilient_tcp", timeout_s=3)  # also the deadline of the shrink's build
     store = ctx.store()
@@ -144,13 +155,7 @@ def _mismatched_shrink(ctx: WorkerContext) -> dict:
         pass
     # Rank 3 died; ranks 0 and 1 exclude it, rank 2 wrongly excludes rank 1 instead.
     exclude = [1] if ctx.rank == 2 else [3]
-    start = time.monotonic()
-    try:
-        resilient_comm.shrink(exclude)
-        dist.all_reduce(torch.ones(1))
-        return {"error": None, "after_s": time.monotonic() - start}
-    except dist.DistBackendError as e:
-        return {"error": f"{type(e).__name__}: {e}", "after_s": time.monotonic() - start}
+    return _timed_shrink(exclude)
 
 
 @pytest.mark.timeout(90)
@@ -188,13 +193,7 @@ def _survivor_dies_before_shrink(ctx: WorkerContext) -> dict:
         pass
     store.set(f"failed/{ctx.rank}", "1")
     store.wait(["dead/2"])  # rank 2 is SIGKILLed here, after it saw the first failure
-    start = time.monotonic()
-    try:
-        resilient_comm.shrink([3])
-        dist.all_reduce(torch.ones(1))
-        return {"error": None, "after_s": time.monotonic() - start}
-    except dist.DistBackendError as e:
-        return {"error": f"{type(e).__name__}: {e}", "after_s": time.monotonic() - start}
+    return _timed_shrink([3])
 
 
 @pytest.mark.timeout(90)
