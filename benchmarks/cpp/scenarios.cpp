@@ -315,6 +315,12 @@ class RankRun {
     RC_RETURN_IF_ERROR(plan_.shrinkFirst ? doShrink() : doReinit());
     RC_RETURN_IF_ERROR(barrier("recovered_once", survivors));
     RC_RETURN_IF_ERROR(plan_.shrinkFirst ? doReinit() : doShrink());
+    // The floor: a plain allReduce on the shrunk communicator, started the same way (after a
+    // barrier of the survivors). No recovery that ends in an allReduce can beat it.
+    RC_RETURN_IF_ERROR(barrier("floor", survivors));
+    const Clock::time_point f0 = Clock::now();
+    RC_RETURN_IF_ERROR(checkedAllReduce(*shrunk, dl()).withContext("allReduce on the shrunk communicator"));
+    recordSpan("floor", f0, Clock::now());
 
     std::vector<uint8_t> killedAt;
     RC_RETURN_IF_ERROR(storeCall("get " + killKey, [&] {
@@ -349,6 +355,8 @@ const std::vector<Metric>& metrics() {
       {"reinit", "full re-init -> 1st allReduce", "survivors"},
       {"shrink_sync", "shrink, from the last survivor's call", "last->last"},
       {"reinit_sync", "re-init, from the last survivor's call", "last->last"},
+      {"floor", "floor: allReduce alone, after a barrier", "survivors"},
+      {"floor_sync", "floor, from the last survivor's call", "last->last"},
       {"split", "split(rank%2) -> 1st allReduce", "members"},
       {"grow", "grow N->N+1, join -> 1st allReduce", "all N+1"},
   };

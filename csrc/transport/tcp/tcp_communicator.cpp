@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "comm/store_util.h"
+#include "common/backstop.h"
 #include "common/check.h"
 #include "common/logging.h"
 #include "transport/tcp/reduce.h"
@@ -16,6 +17,9 @@
 namespace resilient_comm::tcp {
 
 namespace {
+
+// How long a build waits for a thread that needs it before the backstop starts one for it.
+constexpr std::chrono::milliseconds kBuildClaimGrace{2};
 
 std::string joinList(const std::vector<int>& v) {
   std::string s;
@@ -67,8 +71,12 @@ void TcpCommunicator::start(std::function<Status(TcpCommunicator&, const Deadlin
   if (listener_) {
     listener_->started(meshHash());  // before anything can abandon it: see Listener
   }
+  // The first op (or waitReady) usually runs the build on its own thread; the backstop makes
+  // sure it starts anyway. See [Note: a build runs on the first thread that needs it].
   std::shared_ptr<TcpCommunicator> self = shared_from_this();
-  std::thread([self] { self->runBuild(self->buildDl_); }).detach();
+  Backstop::schedule(
+      Backstop::Clock::now() + kBuildClaimGrace, [self] { return self->buildClaimed_.load(); },
+      [self] { self->runBuild(self->buildDl_); });
 }
 
 void TcpCommunicator::runBuild(const Deadline& dl) {
@@ -285,8 +293,14 @@ Result<std::shared_ptr<Communicator>> TcpCommunicator::grow(int newSize, const c
 }
 
 Status TcpCommunicator::waitReady(const Deadline& deadline) {
-  if (state() == CommState::kInitializing) {
-    runBuild(buildDl_.earliest(deadline));
+  if (state() == CommState::kInitializing && !buildClaimed_.load()) {
+    if (deadline.at() >= buildDl_.at()) {
+      runBuild(buildDl_);  // this thread will wait for all of it anyway
+    } else {
+      // This waiter may leave first; the build must go on without it.
+      std::shared_ptr<TcpCommunicator> self = shared_from_this();
+      std::thread([self] { self->runBuild(self->buildDl_); }).detach();
+    }
   }
   return CommLifecycle::waitReady(deadline);
 }
