@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 import resilient_comm
 from resilient_comm.groups import _backend
@@ -171,10 +172,16 @@ def test_shrink_with_mismatched_exclude_lists_fails_clearly_within_the_deadline(
         v = res.value
         assert v["error"] is not None, f"rank {rank} built a group from mismatched exclude lists"
         assert v["after_s"] < 3.0 + 1.0, f"rank {rank} took {v['after_s']:.2f} s"
-    # Ranks 0 and 2 disagree directly (their fences name different groups): told at once.
+    # Rank 2 reads rank 0's fence, which names another group: a mismatch, at once. Rank 0
+    # reads rank 2's fence, or first hears from rank 1, which found its stream from rank 2 shut
+    # (rank 2 left it out) and says what that can mean; either way it is told at once. (Rank 1
+    # may instead see the stream shut before it is ready, and wait for a fresh connection from
+    # rank 2 until the deadline.)
+    v = by_rank[2].value
+    assert "CommMismatchError" in v["error"] and "is building a different communicator" in v["error"], v
     for rank in (0, 2):
         v = by_rank[rank].value
-        assert "different communicator" in v["error"] and "CommMismatchError" in v["error"], v
+        assert "different communicator" in v["error"], v
         assert v["after_s"] < 1.5, f"rank {rank} took {v['after_s']:.2f} s"
 
 
@@ -337,3 +344,42 @@ def test_torch_process_group_split_group_uses_our_split() -> None:
     for res in run_workers(_torch_split_group, 4, timeout_s=40):
         assert res.ok, res.error
         assert res.value == (res.rank % 2, 2, 1.0 if res.rank < 2 else 5.0)
+
+
+def _torch_shrink_group_after_kill(ctx: WorkerContext) -> dict:
+    ctx.init("resilient_tcp", timeout_s=30)
+    store = ctx.store()
+    t = torch.ones(16)
+    i = 0
+    try:
+        while True:
+            dist.all_reduce(t)
+            i += 1
+            if i == 10:
+                store.set(f"looping/{ctx.rank}", "1")
+    except resilient_comm.CommError as e:
+        kind = type(e).__name__
+    # torch's own API, straight onto our Backend::shrink (SHRINK_ABORT: the group failed).
+    pg = dist.shrink_group([1], shrink_flags=c10d.SHRINK_ABORT)
+    x = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(x)
+    return {"kind": kind, "new": (dist.get_rank(), dist.get_world_size(), pg is dist.group.WORLD),
+            "sum": x.item(), "bad": _check_collectives(pg, tag=2.0)}
+
+
+@pytest.mark.timeout(90)
+def test_torch_distributed_shrink_group_works_with_our_backend() -> None:
+    with start_workers(_torch_shrink_group_after_kill, 4, timeout_s=60) as w:
+        for r in range(4):
+            w.wait_key(f"looping/{r}")
+        w.kill(1, signal.SIGKILL)
+        results = w.join()
+    for res in results:
+        if res.rank == 1:
+            continue
+        assert res.ok, res.error
+        v = res.value
+        assert v["kind"] == "PeerFailureError", v
+        assert v["new"] == ([0, 2, 3].index(res.rank), 3, True), v
+        assert v["sum"] == 0.0 + 2.0 + 3.0, v
+        assert v["bad"] == [], v["bad"]

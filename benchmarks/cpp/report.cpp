@@ -71,6 +71,22 @@ double reinitOverShrink(const WorldResult& w, const std::string& suffix = "") {
   return s.n && r.n && s.median > 0 ? r.median / s.median : 0;
 }
 
+// What the per-survivor ratio could reach if a shrink cost nothing beyond its first
+// allReduce: the median re-init over the median, per repetition, of the survivors' start
+// spread plus the floor allReduce counted from the last call.
+double perSurvivorCeiling(const WorldResult& w) {
+  std::vector<double> best;
+  for (const RepOutcome& o : w.reps) {
+    double spread = 0, floor = 0;
+    if (o.ok && o.value("shrink_spread", &spread) && o.value("floor_sync", &floor)) {
+      best.push_back(spread + floor);
+    }
+  }
+  Stats b = summarize(best);
+  Stats r = summarize(w.samples("reinit"));
+  return b.n && r.n && b.median > 0 ? r.median / b.median : 0;
+}
+
 // Per repetition reinit / shrink, then the median.
 double medianRatio(const WorldResult& w) {
   std::vector<double> ratios;
@@ -90,9 +106,11 @@ constexpr size_t kCellWidth = 19;
 }  // namespace
 
 bool RepOutcome::value(const std::string& key, double* out) const {
-  static const std::string kSync = "_sync";
-  if (key.size() > kSync.size() && key.compare(key.size() - kSync.size(), kSync.size(), kSync) == 0) {
-    const std::string base = key.substr(0, key.size() - kSync.size());
+  auto endsWith = [&](const std::string& suffix) {
+    return key.size() > suffix.size() && key.compare(key.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  if (endsWith("_sync")) {
+    const std::string base = key.substr(0, key.size() - 5);
     double call = 0, done = 0;
     if (!maxOver(base + "_call_at", &call) || !maxOver(base + "_done_at", &done)) {
       return false;
@@ -100,7 +118,28 @@ bool RepOutcome::value(const std::string& key, double* out) const {
     *out = done - call;
     return true;
   }
+  if (endsWith("_spread")) {
+    const std::string base = key.substr(0, key.size() - 7);
+    double first = 0, last = 0;
+    if (!minOver(base + "_call_at", &first) || !maxOver(base + "_call_at", &last)) {
+      return false;
+    }
+    *out = last - first;
+    return true;
+  }
   return maxOver(key, out);
+}
+
+bool RepOutcome::minOver(const std::string& key, double* out) const {
+  bool found = false;
+  for (const auto& m : perProcess) {
+    auto it = m.find(key);
+    if (it != m.end()) {
+      *out = found ? std::min(*out, it->second) : it->second;
+      found = true;
+    }
+  }
+  return found;
 }
 
 bool RepOutcome::maxOver(const std::string& key, double* out) const {
@@ -164,17 +203,20 @@ std::string formatTable(const std::vector<WorldResult>& results) {
   std::string ratio = pad("re-init / shrink (ratio of medians)", kLabelWidth + kWhoWidth, true);
   std::string perRep = pad("re-init / shrink (median of ratios)", kLabelWidth + kWhoWidth, true);
   std::string ratioSync = pad("re-init / shrink, from the last call", kLabelWidth + kWhoWidth, true);
+  std::string ceiling = pad("re-init / shrink, per-survivor ceiling", kLabelWidth + kWhoWidth, true);
   std::string ok = pad("repetitions ok", kLabelWidth + kWhoWidth, true);
   for (const WorldResult& w : results) {
     double r = reinitOverShrink(w);
     ratio += pad(r > 0 ? fmt("%.1fx", r) : std::string("-"), kCellWidth, false);
     double rs = reinitOverShrink(w, "_sync");
     ratioSync += pad(rs > 0 ? fmt("%.1fx", rs) : std::string("-"), kCellWidth, false);
+    double c = perSurvivorCeiling(w);
+    ceiling += pad(c > 0 ? fmt("%.1fx", c) : std::string("-"), kCellWidth, false);
     double pr = medianRatio(w);
     perRep += pad(pr > 0 ? fmt("%.1fx", pr) : std::string("-"), kCellWidth, false);
     ok += pad(std::to_string(w.repsOk()) + "/" + std::to_string(w.reps.size()), kCellWidth, false);
   }
-  os << ratio << "\n" << perRep << "\n" << ratioSync << "\n" << ok << "\n";
+  os << ratio << "\n" << perRep << "\n" << ceiling << "\n" << ratioSync << "\n" << ok << "\n";
   return os.str();
 }
 
@@ -212,6 +254,7 @@ std::string toJson(const RunInfo& info, const std::vector<WorldResult>& results)
        << ",\n   \"reinit_over_shrink\": {\"ratio_of_medians\": " << jsonNumber(reinitOverShrink(w))
        << ", \"median_of_ratios\": " << jsonNumber(medianRatio(w))
        << ", \"ratio_of_medians_from_last_call\": " << jsonNumber(reinitOverShrink(w, "_sync"))
+       << ", \"per_survivor_ceiling\": " << jsonNumber(perSurvivorCeiling(w))
        << "},\n   \"recovery_by_position_median_ms\": {";
     // shrink and reinit alternate which runs first after the failure (see scenarios.h)
     auto first = [](const RepOutcome& o) { return o.plan.shrinkFirst; };

@@ -24,11 +24,14 @@ struct RepOutcome {
   // Per process index (worldSize + 1 of them): metric key -> milliseconds.
   std::vector<std::map<std::string, double>> perProcess;
 
-  // Max over processes (or the "_sync" difference above); false if none measured `key`.
+  // Max over processes; for "<key>_sync" the last "<key>_done_at" minus the last
+  // "<key>_call_at", for "<key>_spread" the last "<key>_call_at" minus the first. False if
+  // no process measured it.
   bool value(const std::string& key, double* out) const;
 
  private:
   bool maxOver(const std::string& key, double* out) const;
+  bool minOver(const std::string& key, double* out) const;
 };
 
 struct WorldResult {

@@ -355,6 +355,7 @@ const std::vector<Metric>& metrics() {
       {"reinit", "full re-init -> 1st allReduce", "survivors"},
       {"shrink_sync", "shrink, from the last survivor's call", "last->last"},
       {"reinit_sync", "re-init, from the last survivor's call", "last->last"},
+      {"shrink_spread", "shrink: spread of the survivors' calls", "1st->last"},
       {"floor", "floor: allReduce alone, after a barrier", "survivors"},
       {"floor_sync", "floor, from the last survivor's call", "last->last"},
       {"split", "split(rank%2) -> 1st allReduce", "members"},

@@ -82,7 +82,10 @@ class Communicator {
 
   // Advances a non-blocking init; kInProgress until Ready, then Ok, or the init error.
   virtual Status poll() = 0;
-  // Polls until Ready, the deadline (the communicator is then aborted) or an abort.
+  // Polls until Ready, the deadline (the communicator is then aborted) or an abort. After a
+  // shrink over reused TCP connections it also waits until every peer has joined the child
+  // (read its fence; see transport/tcp/resync.h), which ops otherwise check as they go; a
+  // deadline that passes in that wait leaves the communicator as it is.
   virtual Status waitReady(const Deadline& deadline) = 0;
 
   virtual void abort(const std::string& reason) = 0;

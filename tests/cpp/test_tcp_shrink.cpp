@@ -1,9 +1,10 @@
 // TcpCommunicator's shrink over reused connections (fence resync), with one thread per rank
 // over loopback sockets and an in-process store: a member whose communicator is aborted
 // (every socket shut down, as the kernel does for a killed process) during a collective,
-// then shrink, every collective on the result; abort during the resync; mismatched exclude
-// lists; a stale Hello left on the shared listener by an abandoned build. Real processes
-// and real SIGKILL are in tests/test_membership.py.
+// then shrink, every collective on the result; a child built before the other survivors
+// shrink; abort during the resync and during the wait for fences; mismatched exclude lists
+// (in the build, and in the first collective); a stale Hello left on the shared listener by
+// an abandoned build. Real processes and real SIGKILL are in tests/test_membership.py.
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <sys/syscall.h>
@@ -15,6 +16,7 @@
 #include <fstream>
 #include <functional>
 #include <numeric>
+#include <utility>
 #include <thread>
 
 #include "check.h"
@@ -242,19 +244,16 @@ TEST(tcp_shrink_after_failure_mid_large_message_falls_back_where_streams_were_cu
   checkEveryCollective(again, 1000);
 }
 
-TEST(tcp_abort_during_resync_returns_at_once) {
-  Comms comms = makeGroup(3, "abortresync/");
-  failDuring(comms, 2, 16);
-  // Rank 1 does not shrink yet: rank 0's resync waits for its fence until it is aborted.
-  auto r0 = comms[0]->shrink({2}, true, Deadline::after(kLong));
-  CHECK(r0.isOk()) << r0.status().toString();
-  std::shared_ptr<Communicator> child = r0.take();
+// Runs `wait` on a thread, aborts `comm` once that thread sleeps in the kernel, and returns
+// what `wait` returned and how long after the abort it did.
+std::pair<Status, double> abortWhileWaiting(Communicator& comm, const std::function<Status()>& wait,
+                                            const std::string& reason) {
   std::atomic<pid_t> tid{0};
   Status waited;
   Clock::time_point returned;
   std::thread waiter([&] {
     tid.store(static_cast<pid_t>(::syscall(SYS_gettid)));
-    waited = child->waitReady(Deadline::after(kLong));
+    waited = wait();
     returned = Clock::now();
   });
   const Clock::time_point until = Clock::now() + std::chrono::seconds(5);
@@ -262,24 +261,119 @@ TEST(tcp_abort_during_resync_returns_at_once) {
     std::this_thread::yield();
   }
   const Clock::time_point aborted = Clock::now();
-  child->abort("test: abort during the resync");
+  comm.abort(reason);
   waiter.join();
-  const double ms = std::chrono::duration<double, std::milli>(returned - aborted).count();
-  CHECK(waited.code() == StatusCode::kAborted) << waited.toString();
-  CHECK(waited.message().find("abort during the resync") != std::string::npos) << waited.toString();
-  CHECK(ms < 50) << "waitReady returned " << ms << " ms after the abort";
-  // Rank 1's shrink cannot give a working group now: its build fails within the deadline, or
-  // (rank 0's fence had already reached it) the first collective fails, instead of hanging.
-  const Clock::time_point t1 = Clock::now();
-  auto r1 = comms[1]->shrink({2}, true, Deadline::after(std::chrono::milliseconds(500)));
-  CHECK(r1.isOk()) << r1.status().toString();
-  Status s1 = r1.value()->waitReady(Deadline::after(kLong));
-  if (s1.isOk()) {
-    float x = 1;
-    s1 = r1.value()->allReduce(&x, 1, DataType::kFloat32, RedOp::kSum, Deadline::after(kLong));
+  return {waited, std::chrono::duration<double, std::milli>(returned - aborted).count()};
+}
+
+TEST(tcp_shrink_builds_without_waiting_for_the_others_to_shrink) {
+  // The parent's failure already sent what the resync reads (every survivor's last frame of
+  // it), so a survivor's child is built before any other survivor has called shrink; nobody
+  // waits on it here, so the backstop thread builds it. The peers' fences are read by the
+  // first ops.
+  Comms comms = makeGroup(4, "early/");
+  failDuring(comms, 1, 16);
+  auto first = comms[0]->shrink({1}, true, Deadline::after(kLong));
+  CHECK(first.isOk()) << first.status().toString();
+  std::shared_ptr<Communicator> early = first.take();
+  const Clock::time_point until = Clock::now() + std::chrono::seconds(5);
+  Status polled = early->poll();
+  while (polled.code() == StatusCode::kInProgress && Clock::now() < until) {
+    std::this_thread::yield();  // a bounded poll of the state, which the build changes
+    polled = early->poll();
   }
-  CHECK(!s1.isOk());
-  CHECK(msSince(t1) < 2000) << "rank 1 took " << msSince(t1) << " ms to fail";
+  CHECK(polled.isOk()) << polled.toString();
+  CHECK(reused(early) == 2) << reused(early);
+  Comms rest = shrinkAll(comms, {2, 3}, {1});
+  Comms shrunk{early, rest[0], rest[1]};
+  checkEveryCollective(shrunk, 16);
+}
+
+TEST(tcp_abort_during_resync_returns_at_once) {
+  {
+    // Rank 1's communicator has not failed (it is idle and Ready), so rank 0's build waits for
+    // its last frame of the parent until rank 0 aborts the child.
+    Comms comms = makeGroup(3, "abortresync/");
+    auto r0 = comms[0]->shrink({2}, true, Deadline::after(kLong));
+    CHECK(r0.isOk()) << r0.status().toString();
+    std::shared_ptr<Communicator> child = r0.take();
+    auto [waited, ms] = abortWhileWaiting(
+        *child, [&] { return child->waitReady(Deadline::after(kLong)); }, "test: abort during the resync");
+    CHECK(waited.code() == StatusCode::kAborted) << waited.toString();
+    CHECK(waited.message().find("abort during the resync") != std::string::npos) << waited.toString();
+    CHECK(ms < 50) << "waitReady returned " << ms << " ms after the abort";
+    // Rank 1's shrink cannot give a working group now: it fails within its deadline.
+    const Clock::time_point t1 = Clock::now();
+    auto r1 = comms[1]->shrink({2}, true, Deadline::after(std::chrono::milliseconds(500)));
+    CHECK(r1.isOk()) << r1.status().toString();
+    Status s1 = r1.value()->waitReady(Deadline::after(kLong));
+    if (s1.isOk()) {
+      float x = 1;
+      s1 = r1.value()->allReduce(&x, 1, DataType::kFloat32, RedOp::kSum, Deadline::after(kLong));
+    }
+    CHECK(!s1.isOk());
+    CHECK(msSince(t1) < 2000) << "rank 1 took " << msSince(t1) << " ms to fail";
+  }
+  {
+    // Every survivor failed, so rank 0's child is built at once; waitReady then waits for rank
+    // 1's fence (rank 1 has not shrunk yet) until rank 0 aborts the child.
+    Comms comms = makeGroup(3, "abortfence/");
+    failDuring(comms, 2, 16);
+    auto r0 = comms[0]->shrink({2}, true, Deadline::after(kLong));
+    CHECK(r0.isOk()) << r0.status().toString();
+    std::shared_ptr<Communicator> child = r0.take();
+    auto [waited, ms] = abortWhileWaiting(
+        *child, [&] { return child->waitReady(Deadline::after(kLong)); }, "test: abort while waiting for a fence");
+    CHECK(waited.code() == StatusCode::kAborted) << waited.toString();
+    CHECK(waited.message().find("abort while waiting for a fence") != std::string::npos) << waited.toString();
+    CHECK(ms < 50) << "waitReady returned " << ms << " ms after the abort";
+    // Rank 1's child finds rank 0's side gone: its first collective fails at once.
+    const Clock::time_point t1 = Clock::now();
+    auto r1 = comms[1]->shrink({2}, true, Deadline::after(std::chrono::milliseconds(500)));
+    CHECK(r1.isOk()) << r1.status().toString();
+    Status s1 = r1.value()->waitReady(Deadline::after(kLong));
+    if (s1.isOk()) {
+      float x = 1;
+      s1 = r1.value()->allReduce(&x, 1, DataType::kFloat32, RedOp::kSum, Deadline::after(kLong));
+    }
+    CHECK(!s1.isOk());
+    CHECK(msSince(t1) < 2000) << "rank 1 took " << msSince(t1) << " ms to fail";
+  }
+}
+
+TEST(tcp_mismatched_fences_fail_the_first_collective) {
+  // Without waitReady the fences are read by the first collective: a survivor that shrank
+  // with other arguments fails it with a Mismatch on the ranks that read its fence.
+  Comms comms = makeGroup(4, "fencemismatch/");
+  failDuring(comms, 3, 16);
+  // Ranks 0 and 1 exclude the dead rank 3; rank 2 wrongly excludes rank 1 as well, so its
+  // group {0, 2} needs no fresh connection and is ready at once, like theirs.
+  std::vector<Status> st(3);
+  std::vector<double> ms(3);
+  onEach(3, [&](int r) {
+    const Clock::time_point t0 = Clock::now();
+    std::vector<int> exclude = r == 2 ? std::vector<int>{1, 3} : std::vector<int>{3};
+    auto c = comms[r]->shrink(exclude, true, Deadline::after(std::chrono::milliseconds(1500)));
+    if (!c.isOk()) {
+      st[r] = c.status();
+    } else {
+      std::vector<float> x(16, 1.0f);
+      st[r] = c.value()->allReduce(x.data(), x.size(), DataType::kFloat32, RedOp::kSum, Deadline::after(kLong));
+    }
+    ms[r] = msSince(t0);
+  });
+  for (int r = 0; r < 3; ++r) {
+    CHECK(!st[r].isOk()) << "rank " << r << " reduced over a group built from mismatched arguments";
+    CHECK(ms[r] < 3000) << "rank " << r << " took " << ms[r] << " ms";
+  }
+  // Rank 1 may only learn at its deadline: rank 2 shut their stream (it left rank 1 out), and
+  // if rank 1 sees that before it is ready it waits for a fresh connection rank 2 never makes.
+  for (int r : {0, 2}) {
+    CHECK(st[r].message().find("different communicator") != std::string::npos) << "rank " << r << ": "
+                                                                                  << st[r].toString();
+    CHECK(ms[r] < 1000) << "rank " << r << " took " << ms[r] << " ms";
+  }
+  CHECK(st[2].code() == StatusCode::kMismatch) << st[2].toString();
 }
 
 TEST(tcp_shrink_with_mismatched_exclude_lists_fails_within_the_deadline) {

@@ -35,10 +35,17 @@ Status buildMesh(const MeshSpec& spec, Listener& listener, std::vector<Peer>& pe
   const int size = spec.size;
   listener.started(spec.hash);
   std::vector<int> gone;
-  RC_RETURN_IF_ERROR(resyncStreams(rank, spec.hash, peers, mu, dl, abort, &gone));
   *reused = 0;
-  for (const Peer& p : peers) {
-    *reused += p.sock.valid() ? 1 : 0;
+  if (spec.parent != 0) {
+    RC_RETURN_IF_ERROR(resyncStreams(rank, spec.hash, spec.parent, peers, mu, dl, abort, &gone));
+    for (const Peer& p : peers) {
+      *reused += p.sock.valid() ? 1 : 0;
+    }
+    if (*reused < size - 1) {
+      // Connecting afresh waits for the peers anyway: read their fences first, so that
+      // members that shrank with other arguments fail now rather than at the deadline.
+      RC_RETURN_IF_ERROR(awaitFences(peers, rank, dl, abort));
+    }
   }
   auto dial = [&](int j) -> Result<Socket> {
     const std::string& addr = spec.addrs[j];

@@ -10,8 +10,9 @@
 // abandoned) is stale, and dropped; see Listener.
 //
 // Pairs that arrive with a connection (a shrink after an error hands the survivors' streams
-// to the child) are resynchronised first with fence frames (resync.h: one round trip, all
-// pairs at once); only those whose stream cannot be resynchronised get a fresh connection.
+// to the child) are resynchronised first (resync.h: usually no wait at all, since the parent's
+// failure already sent what the resync reads); only those whose stream cannot be
+// resynchronised get a fresh connection.
 // Fresh connections cost a Hello round trip each and the dialling is sequential (a rank
 // accepts only after it has dialled every lower rank), so reuse is what makes shrink cheap.
 #pragma once
@@ -63,6 +64,9 @@ struct MeshSpec {
   // Every peer's listener exists already (a derived build), so a refused connection means the
   // peer is gone rather than not yet listening.
   bool derived = false;
+  // The hash of the communicator whose connections `peers` holds (a shrink after an error):
+  // they are resynchronised (resync.h). 0: `peers` holds none.
+  uint64_t parent = 0;
 };
 
 // Fills `peers` (size entries); valid sockets already there are reused after a resync.

@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 
 #include <cerrno>
+#include <cstring>
 #include <string>
 
 #include "common/check.h"
@@ -14,7 +15,6 @@ namespace resilient_comm::tcp {
 namespace {
 
 constexpr size_t kHdr = sizeof(WireHeader);
-constexpr uint64_t kMaxErrorText = 4096;
 
 struct Pair {
   int peer;
@@ -22,14 +22,13 @@ struct Pair {
   size_t sent = 0;
   WireHeader in{};  // the peer's frame being read
   size_t got = 0;
-  uint64_t skip = 0;      // payload bytes of the current frame still to discard
-  bool capture = false;   // the payload is the text of a build failure of this communicator
-  std::string text;
-  bool fenced = false;    // the peer's fence arrived
-  bool gone = false;      // the stream ended or is garbled: connect afresh
+  uint64_t skip = 0;     // payload bytes of the current frame still to discard
+  bool last = false;     // the frame being discarded is the parent's kError
+  bool ended = false;    // the peer's parent kError was read
+  bool gone = false;     // the stream ended or is garbled: connect afresh
 
   bool done() const {
-    return gone || (fenced && sent == kHdr);
+    return gone || (ended && sent == kHdr);
   }
 };
 
@@ -37,22 +36,34 @@ bool wouldBlock(int err) {
   return err == EAGAIN || err == EWOULDBLOCK || err == EINTR;
 }
 
-// Reads from the peer until its fence, the end of what is available, or a verdict.
-Status readUntilFence(Pair& p, int fd, uint64_t hash) {
+Status otherCommunicator(int peer) {
+  return Status(StatusCode::kMismatch,
+                "rank " + std::to_string(peer) + " is building a different communicator (its member list, color or " +
+                    "epoch differs); every member must shrink with the same arguments");
+}
+
+// Once the peer's parent kError is read: a stream that already ended behind it (the peer
+// died, or dropped the stream) is gone.
+void checkEnd(Pair& p, int fd) {
+  char c;
+  ssize_t r = ::recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+  if (r == 0 || (r < 0 && !wouldBlock(errno))) {
+    p.gone = true;
+  }
+}
+
+// Reads from the peer until its parent kError, the end of what is available, or a verdict.
+Status readUntilEnd(Pair& p, int fd, uint64_t parent) {
   char sink[64 * 1024];
-  while (!p.fenced && !p.gone) {
+  while (!p.ended && !p.gone) {
     ssize_t r;
     if (p.skip > 0) {
       r = ::recv(fd, sink, std::min<uint64_t>(p.skip, sizeof(sink)), MSG_DONTWAIT);
       if (r > 0) {
         p.skip -= static_cast<uint64_t>(r);
-        if (p.capture) {
-          p.text.append(sink, static_cast<size_t>(r));
-          if (p.skip == 0) {
-            return Status(static_cast<StatusCode>(p.in.dtype) == StatusCode::kMismatch ? StatusCode::kMismatch
-                                                                                        : StatusCode::kPeerFailure,
-                          "rank " + std::to_string(p.peer) + " could not build this communicator: " + p.text);
-          }
+        if (p.skip == 0 && p.last) {
+          p.ended = true;
+          checkEnd(p, fd);
         }
         continue;
       }
@@ -67,22 +78,16 @@ Status readUntilFence(Pair& p, int fd, uint64_t hash) {
         const WireHeader& h = p.in;
         if (h.magic != kWireMagic) {
           p.gone = true;
-        } else if (h.kind == static_cast<uint8_t>(MsgKind::kFence)) {
-          if (h.tag != hash || h.seq != static_cast<uint64_t>(p.peer)) {
-            return Status(StatusCode::kMismatch,
-                          "rank " + std::to_string(p.peer) + " is building a different communicator (its member " +
-                              "list, color or epoch differs); every member must shrink with the same arguments");
-          }
-          p.fenced = true;
-        } else if (h.kind == static_cast<uint8_t>(MsgKind::kError) && h.tag == hash) {
-          if (h.bytes == 0 || h.bytes > kMaxErrorText) {
-            return Status(StatusCode::kPeerFailure,
-                          "rank " + std::to_string(p.peer) + " could not build this communicator");
-          }
-          p.capture = true;
-          p.skip = h.bytes;
+        } else if (h.kind == static_cast<uint8_t>(MsgKind::kFence) && h.tag != parent) {
+          return otherCommunicator(p.peer);  // a fence after the parent's end: not ours
         } else {
-          p.skip = h.bytes;  // the parent's data or error frames: discarded
+          // The parent's data or fence, an ancestor's kError, or the parent's own kError.
+          p.last = h.kind == static_cast<uint8_t>(MsgKind::kError) && h.tag == parent;
+          p.skip = h.bytes;
+          if (p.skip == 0 && p.last) {
+            p.ended = true;
+            checkEnd(p, fd);
+          }
         }
         continue;
       }
@@ -110,12 +115,17 @@ void writeFence(Pair& p, int fd) {
   }
 }
 
-Status runPairs(std::vector<Pair>& pairs, std::vector<Peer>& peers, uint64_t hash, const Deadline& dl,
+Status runPairs(std::vector<Pair>& pairs, std::vector<Peer>& peers, uint64_t parent, const Deadline& dl,
                 const AbortToken& abort) {
   std::vector<pollfd> fds;
   std::vector<Pair*> who;
   for (Pair& p : pairs) {
-    writeFence(p, peers[p.peer].sock.fd());
+    const int fd = peers[p.peer].sock.fd();
+    writeFence(p, fd);
+    if (p.ended) {
+      checkEnd(p, fd);  // the parent read the peer's kError already
+    }
+    RC_RETURN_IF_ERROR(readUntilEnd(p, fd, parent));  // usually all there: no poll at all
   }
   for (;;) {
     fds.clear();
@@ -126,7 +136,7 @@ Status runPairs(std::vector<Pair>& pairs, std::vector<Peer>& peers, uint64_t has
       }
       short ev = POLLRDHUP;
       ev |= p.sent < kHdr ? POLLOUT : 0;
-      ev |= p.fenced ? 0 : POLLIN;
+      ev |= p.ended ? 0 : POLLIN;
       fds.push_back(pollfd{peers[p.peer].sock.fd(), ev, 0});
       who.push_back(&p);
     }
@@ -141,8 +151,8 @@ Status runPairs(std::vector<Pair>& pairs, std::vector<Peer>& peers, uint64_t has
       for (const Pair* p : who) {
         missing += (missing.empty() ? "" : ", ") + std::to_string(p->peer);
       }
-      return Status(StatusCode::kTimeout, "rank(s) " + missing + " never resynchronised their connection before the " +
-                                              "deadline (did they shrink with the same arguments?)");
+      return Status(StatusCode::kTimeout, "the failed communicator of rank(s) " + missing + " never ended before the " +
+                                              "deadline (are they still running an op on it, or did they not shrink?)");
     }
     // abort() shuts these sockets down, which wakes the poll; the slice is a second line.
     int rc = ::poll(fds.data(), fds.size(), dl.remainingMs(10));
@@ -157,8 +167,8 @@ Status runPairs(std::vector<Pair>& pairs, std::vector<Peer>& peers, uint64_t has
       if (p.sent < kHdr) {
         writeFence(p, fds[i].fd);
       }
-      RC_RETURN_IF_ERROR(readUntilFence(p, fds[i].fd, hash));
-      if (!p.fenced && (fds[i].revents & (POLLHUP | POLLERR))) {
+      RC_RETURN_IF_ERROR(readUntilEnd(p, fds[i].fd, parent));
+      if (!p.ended && (fds[i].revents & (POLLHUP | POLLERR))) {
         p.gone = true;
       }
     }
@@ -167,8 +177,8 @@ Status runPairs(std::vector<Pair>& pairs, std::vector<Peer>& peers, uint64_t has
 
 }  // namespace
 
-Status resyncStreams(int rank, uint64_t hash, std::vector<Peer>& peers, std::mutex& mu, const Deadline& dl,
-                     const AbortToken& abort, std::vector<int>* gone) {
+Status resyncStreams(int rank, uint64_t hash, uint64_t parent, std::vector<Peer>& peers, std::mutex& mu,
+                     const Deadline& dl, const AbortToken& abort, std::vector<int>* gone) {
   std::vector<Pair> pairs;
   for (int j = 0; j < static_cast<int>(peers.size()); ++j) {
     if (j == rank || !peers[j].sock.valid()) {
@@ -176,13 +186,14 @@ Status resyncStreams(int rank, uint64_t hash, std::vector<Peer>& peers, std::mut
     }
     Pair p;
     p.peer = j;
+    p.ended = peers[j].ended;
     p.out.magic = kWireMagic;
     p.out.kind = static_cast<uint8_t>(MsgKind::kFence);
     p.out.seq = static_cast<uint64_t>(rank);
     p.out.tag = hash;
     pairs.push_back(p);
   }
-  Status st = runPairs(pairs, peers, hash, dl, abort);
+  Status st = runPairs(pairs, peers, parent, dl, abort);
   if (!st.isOk()) {
     if (st.code() != StatusCode::kAborted) {
       for (const Pair& p : pairs) {
@@ -194,13 +205,97 @@ Status resyncStreams(int rank, uint64_t hash, std::vector<Peer>& peers, std::mut
   }
   std::lock_guard<std::mutex> lock(mu);
   for (const Pair& p : pairs) {
+    Peer& peer = peers[p.peer];
     if (p.gone) {
-      peers[p.peer].sock.shutdownBoth();
-      peers[p.peer].sock = Socket();
+      peer.sock.shutdownBoth();
+      peer.sock = Socket();
       gone->push_back(p.peer);
+      continue;
     }
+    peer.ended = false;
+    peer.fence = hash;
+    peer.fenceGot = 0;
   }
   return Status::ok();
+}
+
+Status takeFence(Peer& peer, int index) {
+  const int fd = peer.sock.fd();
+  while (peer.fenceGot < kHdr) {
+    ssize_t r = ::recv(fd, reinterpret_cast<char*>(&peer.fenceIn) + peer.fenceGot, kHdr - peer.fenceGot, MSG_DONTWAIT);
+    if (r > 0) {
+      peer.fenceGot += static_cast<size_t>(r);
+      continue;
+    }
+    if (r < 0 && wouldBlock(errno)) {
+      return Status::ok();
+    }
+    peer.hangupSeen = true;
+    return Status(StatusCode::kPeerFailure,
+                  "rank " + std::to_string(index) + " closed its connection before it joined the shrunk " +
+                      "communicator" + (r < 0 ? std::string(" (") + std::strerror(errno) + ")" : std::string()) +
+                      ": it died, gave up the shrink, or is building a different communicator without this rank " +
+                      "(every member must shrink with the same arguments)");
+  }
+  const WireHeader h = peer.fenceIn;
+  const uint64_t want = peer.fence;
+  peer.fenceGot = 0;
+  peer.fence = 0;
+  if (h.magic != kWireMagic) {
+    peer.dirty = true;
+    return Status(StatusCode::kInternal, "corrupt stream from rank " + std::to_string(index) + " (bad magic)");
+  }
+  if (h.kind == static_cast<uint8_t>(MsgKind::kError)) {
+    bool clean = false;
+    Status st = peerErrorStatus(peer, index, h, std::string(), &clean);
+    peer.ended = clean;
+    peer.dirty = peer.dirty || !clean;
+    return st;
+  }
+  if (h.kind != static_cast<uint8_t>(MsgKind::kFence) || h.tag != want || h.seq != static_cast<uint64_t>(index)) {
+    if (h.kind != static_cast<uint8_t>(MsgKind::kFence)) {
+      peer.dirty = true;  // a frame left unread
+    }
+    return otherCommunicator(index);
+  }
+  return Status::ok();
+}
+
+Status awaitFences(std::vector<Peer>& peers, int rank, const Deadline& dl, const AbortToken& abort) {
+  std::vector<pollfd> fds;
+  std::vector<int> who;
+  for (;;) {
+    fds.clear();
+    who.clear();
+    for (int j = 0; j < static_cast<int>(peers.size()); ++j) {
+      if (j == rank || peers[j].fence == 0 || !peers[j].sock.valid()) {
+        continue;
+      }
+      RC_RETURN_IF_ERROR(takeFence(peers[j], j));
+      if (peers[j].fence != 0) {
+        fds.push_back(pollfd{peers[j].sock.fd(), POLLIN | POLLRDHUP, 0});
+        who.push_back(j);
+      }
+    }
+    if (fds.empty()) {
+      return Status::ok();
+    }
+    if (abort.aborted()) {
+      return Status(StatusCode::kAborted, "waiting for the shrunk communicator's peers interrupted: " + abort.reason());
+    }
+    if (dl.passed()) {
+      std::string missing;
+      for (int j : who) {
+        missing += (missing.empty() ? "" : ", ") + std::to_string(j);
+      }
+      return Status(StatusCode::kTimeout, "rank(s) " + missing + " did not join the shrunk communicator before the " +
+                                              "deadline (did they shrink with the same arguments?)");
+    }
+    int rc = ::poll(fds.data(), fds.size(), dl.remainingMs(10));
+    if (rc < 0 && errno != EINTR) {
+      return RC_SYS_ERROR("poll");
+    }
+  }
 }
 
 }  // namespace resilient_comm::tcp

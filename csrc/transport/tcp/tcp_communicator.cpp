@@ -12,6 +12,7 @@
 #include "common/logging.h"
 #include "transport/tcp/reduce.h"
 #include "transport/tcp/mesh.h"
+#include "transport/tcp/resync.h"
 #include "transport/tcp/socket.h"
 
 namespace resilient_comm::tcp {
@@ -113,7 +114,7 @@ uint64_t TcpCommunicator::meshHash() const {
 }
 
 Status TcpCommunicator::buildMesh(const Deadline& dl, bool derived) {
-  MeshSpec spec{opts_.rank, opts_.size, addrs_, meshHash(), derived};
+  MeshSpec spec{opts_.rank, opts_.size, addrs_, meshHash(), derived, parent_};
   int reused = 0;
   RC_RETURN_IF_ERROR(tcp::buildMesh(spec, *listener_, peers_, mu_, dl, abort_, &reused));
   reused_.store(reused);
@@ -175,11 +176,13 @@ std::shared_ptr<TcpCommunicator> TcpCommunicator::derive(const std::vector<int>&
     if (!socketsShut_.load()) {
       for (size_t i = 0; i < members.size(); ++i) {
         Peer& p = peers_[members[i]];
-        if (p.sock.valid() && !p.dirty && !p.hangupSeen) {
+        if (p.sock.valid() && !p.dirty && !p.hangupSeen && p.fenceGot == 0) {
           child->peers_[i].sock = std::move(p.sock);
+          child->peers_[i].ended = p.ended;
         }
       }
     }
+    child->parent_ = meshHash();
     // The rest (excluded ranks, broken streams) goes down now: a peer still waiting on one
     // of them learns at once that it is not part of this communicator.
     socketsShut_.store(true);
@@ -195,7 +198,7 @@ void TcpCommunicator::retire(const std::string& reason) {
   const bool wasReady = markRetired(reason);
   abort_.abort(reason);
   if (wasReady) {
-    sendErrorFrames(peers_, opts_.rank, Status(StatusCode::kAborted, reason), seq_, 0);
+    sendErrorFrames(peers_, opts_.rank, Status(StatusCode::kAborted, reason), seq_, meshHash());
     shutdownDirty();
   }
 }
@@ -293,6 +296,32 @@ Result<std::shared_ptr<Communicator>> TcpCommunicator::grow(int newSize, const c
 }
 
 Status TcpCommunicator::waitReady(const Deadline& deadline) {
+  RC_RETURN_IF_ERROR(awaitBuild(deadline));
+  return awaitFences(deadline);
+}
+
+Status TcpCommunicator::awaitFences(const Deadline& deadline) {
+  bool pending = false;
+  for (const Peer& p : peers_) {
+    pending = pending || p.fence != 0;
+  }
+  if (!pending) {
+    return Status::ok();
+  }
+  Status st = tcp::awaitFences(peers_, opts_.rank, deadline, abort_);
+  if (st.isOk() || st.code() == StatusCode::kTimeout) {
+    return st;  // a waiter's own deadline: the communicator stays as it is
+  }
+  if (st.code() != StatusCode::kAborted) {
+    for (Peer& p : peers_) {
+      p.dirty = p.dirty || p.fenceGot != 0;
+    }
+    sendErrorFrames(peers_, opts_.rank, st, seq_, meshHash());
+  }
+  return fail(st, "joining the shrunk group '" + opts_.name + "' on rank " + std::to_string(opts_.rank));
+}
+
+Status TcpCommunicator::awaitBuild(const Deadline& deadline) {
   if (state() == CommState::kInitializing && !buildClaimed_.load()) {
     if (deadline.at() >= buildDl_.at()) {
       runBuild(buildDl_);  // this thread will wait for all of it anyway
@@ -360,7 +389,7 @@ Status TcpCommunicator::built(const Deadline& dl) {
 Status TcpCommunicator::ready(const Deadline& dl) {
   CommState s = state();
   if (s == CommState::kInitializing) {
-    RC_RETURN_IF_ERROR(waitReady(dl));
+    RC_RETURN_IF_ERROR(awaitBuild(dl));
     s = state();
   }
   return s == CommState::kReady ? Status::ok() : error();
@@ -375,7 +404,7 @@ Status TcpCommunicator::collective(OpKind op, DataType dt, RedOp redop, const De
   if (redop == RedOp::kAvg && !isFloatingPoint(dt)) {
     return Status(StatusCode::kInvalidArgument, std::string("avg needs a floating-point dtype, got ") + dataTypeName(dt));
   }
-  AlgoContext ctx{peers_, opts_.rank, opts_.size, MsgMeta{op, dt, redop, seq, 0}, dl, abort_, scratch_,
+  AlgoContext ctx{peers_, opts_.rank, opts_.size, MsgMeta{op, dt, redop, seq, 0, meshHash()}, dl, abort_, scratch_,
                   model_.chunkBytes};
   return fail(body(ctx), where);
 }
@@ -524,7 +553,7 @@ Status TcpCommunicator::sendRecv(const std::vector<P2POp>& ops, const Deadline& 
   // call them. Each direction of each pair counts its own messages instead.
   const std::string where = "send/recv on group '" + opts_.name + "' rank " + std::to_string(opts_.rank);
   RC_RETURN_IF_ERROR(ready(dl));
-  Transfer x(peers_, opts_.rank, MsgMeta{OpKind::kSendRecv, DataType::kUInt8, RedOp::kSum, 0, 0}, dl, abort_);
+  Transfer x(peers_, opts_.rank, MsgMeta{OpKind::kSendRecv, DataType::kUInt8, RedOp::kSum, 0, 0, meshHash()}, dl, abort_);
   auto post = [&](const std::vector<P2POp>& list) {
     for (const P2POp& op : list) {
       if (op.kind == P2POp::Kind::kSend) {

@@ -2,33 +2,39 @@
 //
 // Lifecycle: create() returns at once in Initializing; the build publishes this rank's
 // listening address under an epoch-scoped store key, reads every rank's address (the address
-// book), connects a full mesh (see mesh.h) and moves to Ready. The build runs on whichever
-// comes first: a detached init thread started by create(), or the first waitReady() (and so
-// the first collective), which runs it on the caller's thread. The thread gives progress in
-// the background; the caller's thread spares the wait for a new thread to be scheduled, which
-// on a loaded host is often a whole scheduler tick (4 ms), longer than a shrink. The init
-// thread holds a shared_ptr to the communicator, so dropping the last user reference during
-// init is safe; abort() stops the build within ~10 ms.
+// book), connects a full mesh (see mesh.h) and moves to Ready. The build runs on the first
+// thread that needs it: the first collective, or a waitReady() that will wait for all of it;
+// a build nobody claims within 2 ms gets a thread of its own from the backstop (see
+// [Note: a build runs on the first thread that needs it] in common/backstop.h), and so does
+// the build of a waitReady() with an earlier deadline than the build's. The caller's thread
+// spares starting a thread and handing over to it, which on a loaded host can cost a whole
+// scheduler tick (4 ms), longer than a shrink. The thread running a build holds a shared_ptr
+// to the communicator, so dropping the last user reference during init is safe; abort()
+// stops the build within ~10 ms.
 //
-// shrink/split/grow build a child the same way, on the child's own init thread, but from the
-// inherited address book and listener: no store round trip for shrink and split (grow uses
-// the store to meet the joiners). The listener lives as long as any communicator derived
-// from it; one shrink/split/grow at a time may be in flight per process and lineage.
+// shrink/split/grow build a child the same way, from the inherited address book and
+// listener: no store round trip for shrink and split (grow uses the store to meet the
+// joiners). The listener lives as long as any communicator derived from it; one
+// shrink/split/grow at a time may be in flight per process and lineage.
 //
 // [Note: shrink reuses connections]
 // A shrink after an error (afterError, or a parent already failed) hands the parent's clean
-// connections to the survivors' child, which resynchronises them with fence frames instead of
-// building a mesh (resync.h); the parent, which can never be used again, keeps none. So that
+// connections to the survivors' child, which resynchronises them (resync.h) instead of
+// building a mesh; the parent, which can never be used again, keeps none. So that
 // connections survive a failure, a failed op does not shut every socket down: it tells every
-// peer with a kError frame and shuts down only the streams it left in the middle of a message
-// (transfer.h, "failure propagation"); and abort() shuts sockets down only when it is what
-// moves the communicator out of Initializing/Ready (then a thread may be blocked on them; a
-// communicator already in Error has no op in flight). A shrink without afterError leaves the
-// parent usable, so its child connects afresh.
+// peer with a kError frame, the parent's last frame on that stream, and shuts down only the
+// streams it left in the middle of a message (transfer.h, "failure propagation"); and
+// abort() shuts sockets down only when it is what moves the communicator out of
+// Initializing/Ready (then a thread may be blocked on them; a communicator already in Error
+// has no op in flight). The child is Ready once every peer's parent has ended, usually at
+// once; the peers' fences (which say they built the same child) are read by the first op that
+// hears from each peer, or by waitReady(), which returns once every peer has joined. A shrink
+// without afterError leaves the parent usable, so its child connects afresh.
 //
-// Threads: one thread at a time calls collectives/poll/waitReady/shrink/split/grow (the
-// backend's worker); abort() from any thread. abort() sets the token and shutdown()s every
-// socket, which wakes the worker's poll at once; fds are closed only in the destructor.
+// Threads: one thread at a time calls collectives/waitReady/shrink/split/grow (the backend's
+// worker; waitReady after a shrink reads from the sockets like an op); poll() and abort()
+// from any thread. abort() sets the token and shutdown()s every socket, which wakes the
+// worker's poll at once; fds are closed only in the destructor.
 #pragma once
 
 #include <atomic>
@@ -144,6 +150,12 @@ class TcpCommunicator : public CommLifecycle, public std::enable_shared_from_thi
   Status checkRoot(int root, const char* what) const;
   Status fail(const Status& st, const std::string& where);
   Status ready(const Deadline& dl);
+  // Waits until the build ends (running it on this thread, or starting a thread for it; see
+  // [Note: a build runs on the first thread that needs it]).
+  Status awaitBuild(const Deadline& deadline);
+  // After a shrink: reads every peer's pending fence (resync.h); a mismatch or a peer's failure
+  // fails the communicator, a timeout is the waiter's own.
+  Status awaitFences(const Deadline& deadline);
   Status built(const Deadline& dl);
   void shutdownSockets();
   // Shuts down the connections marked dirty (owner thread; see transfer.h).
@@ -166,6 +178,7 @@ class TcpCommunicator : public CommLifecycle, public std::enable_shared_from_thi
   Deadline buildDl_ = Deadline::never();
   std::atomic<bool> buildClaimed_{false};
   std::atomic<int> reused_{0};
+  uint64_t parent_ = 0;  // a shrink after an error: the hash of the parent whose streams it took
 
   // Set by the build before Ready; read-only afterwards.
   std::shared_ptr<Listener> listener_;

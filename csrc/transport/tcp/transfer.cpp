@@ -11,6 +11,7 @@
 #include <string>
 
 #include "common/check.h"
+#include "transport/tcp/resync.h"
 
 namespace resilient_comm::tcp {
 
@@ -143,38 +144,51 @@ Status Transfer::checkHeader(int peer, RecvItem& item) {
   return Status::ok();
 }
 
-Status Transfer::peerError(int peer, RecvItem& item) {
-  // The text may have landed in the payload buffer already (read with the header).
-  const size_t textLen = std::min<size_t>(item.got.bytes, kMaxErrorText);
-  const size_t inBuf = item.done - kHdr;
-  std::string text;
-  text.assign(item.buf ? item.buf : "", std::min(inBuf, textLen));
-  // Clean: exactly this frame was consumed, so the stream sits at the peer's next frame.
-  bool clean = inBuf <= item.got.bytes && item.got.bytes <= kMaxErrorText;
-  while (clean && text.size() < textLen) {
+Status peerErrorStatus(Peer& peer, int index, const WireHeader& h, std::string text, bool* clean) {
+  const size_t textLen = std::min<size_t>(h.bytes, kMaxErrorText);
+  *clean = text.size() <= h.bytes && h.bytes <= kMaxErrorText;
+  while (*clean && text.size() < textLen) {
     char buf[kMaxErrorText];
-    pollfd p{peers_[peer].sock.fd(), POLLIN, 0};
+    pollfd p{peer.sock.fd(), POLLIN, 0};
     ssize_t r = ::poll(&p, 1, 50) > 0 ? ::recv(p.fd, buf, textLen - text.size(), MSG_DONTWAIT) : -1;
     if (r <= 0) {
-      clean = false;
+      *clean = false;
       break;
     }
     text.append(buf, static_cast<size_t>(r));
   }
-  if (clean) {
-    item.done = 0;
-    item.checked = false;
-  } else {
-    peers_[peer].dirty = true;
-  }
-  auto code = static_cast<StatusCode>(item.got.dtype);
+  text.resize(std::min(text.size(), textLen));
+  auto code = static_cast<StatusCode>(h.dtype);
   if (code != StatusCode::kMismatch && code != StatusCode::kTimeout) {
     code = StatusCode::kPeerFailure;
   }
-  return Status(code, "rank " + std::to_string(peer) + " failed: " + text);
+  return Status(code, "rank " + std::to_string(index) + " failed: " + text);
+}
+
+Status Transfer::peerError(int peer, RecvItem& item) {
+  // The text may have landed in the payload buffer already (read with the header).
+  const size_t inBuf = item.done - kHdr;
+  std::string text(item.buf ? item.buf : "", item.buf ? inBuf : 0);
+  bool clean = false;
+  Status st = peerErrorStatus(peers_[peer], peer, item.got, std::move(text), &clean);
+  if (clean) {
+    item.done = 0;
+    item.checked = false;
+    peers_[peer].ended = true;  // nothing of this communicator follows (wire.h)
+  } else {
+    peers_[peer].dirty = true;
+  }
+  return st;
 }
 
 Status Transfer::peekUnexpected(int peer) {
+  if (peers_[peer].fence != 0) {
+    // A shrink's fence comes first (resync.h): reading it now tells a mismatch at once.
+    RC_RETURN_IF_ERROR(takeFence(peers_[peer], peer));
+    if (peers_[peer].fence != 0) {
+      return Status::ok();  // the rest of it is on its way
+    }
+  }
   const int fd = peers_[peer].sock.fd();
   WireHeader h{};
   ssize_t r = ::recv(fd, &h, kHdr, MSG_PEEK | MSG_DONTWAIT);
@@ -201,7 +215,8 @@ Status Transfer::peekUnexpected(int peer) {
 void Transfer::markDirty() {
   for (size_t p = 0; p < q_.size(); ++p) {
     const Queues& q = q_[p];
-    if ((!q.sends.empty() && q.sends.front().done != 0) || (!q.recvs.empty() && q.recvs.front().done != 0)) {
+    if ((!q.sends.empty() && q.sends.front().done != 0) || (!q.recvs.empty() && q.recvs.front().done != 0) ||
+        (peers_[p].fence != 0 && peers_[p].fenceGot != 0)) {
       peers_[p].dirty = true;
     }
   }
@@ -209,6 +224,12 @@ void Transfer::markDirty() {
 
 Status Transfer::progressRecv(int peer) {
   Queues& q = q_[peer];
+  if (!q.recvs.empty() && peers_[peer].fence != 0) {
+    RC_RETURN_IF_ERROR(takeFence(peers_[peer], peer));
+    if (peers_[peer].fence != 0) {
+      return Status::ok();  // the rest of it is on its way
+    }
+  }
   while (!q.recvs.empty()) {
     RecvItem& it = q.recvs.front();
     size_t total = kHdr + it.expect.bytes;
@@ -265,7 +286,7 @@ std::string Transfer::describePending() const {
   return s;
 }
 
-void sendErrorFrames(std::vector<Peer>& peers, int self, const Status& failure, uint64_t seq, uint64_t tag) {
+void sendErrorFrames(std::vector<Peer>& peers, int self, const Status& failure, uint64_t seq, uint64_t comm) {
   std::string text = "rank " + std::to_string(self) + ": " + failure.message();
   text.resize(std::min(text.size(), kMaxErrorText));
   WireHeader h{};
@@ -274,7 +295,7 @@ void sendErrorFrames(std::vector<Peer>& peers, int self, const Status& failure, 
   h.dtype = static_cast<uint8_t>(failure.code());
   h.seq = seq;
   h.bytes = text.size();
-  h.tag = tag;
+  h.tag = comm;
   for (size_t p = 0; p < peers.size(); ++p) {
     if (static_cast<int>(p) == self || !peers[p].sock.valid() || peers[p].dirty) {
       continue;
@@ -291,7 +312,7 @@ void sendErrorFrames(std::vector<Peer>& peers, int self, const Status& failure, 
 }
 
 void Transfer::notifyPeers(const Status& failure) {
-  sendErrorFrames(peers_, self_, failure, meta_.seq, 0);
+  sendErrorFrames(peers_, self_, failure, meta_.seq, meta_.comm);
 }
 
 Status Transfer::run() {
@@ -323,7 +344,7 @@ Status Transfer::run() {
           ev |= POLLOUT;
         }
         if (!q.recvs.empty() || !(ignoreInput_[p] || peers_[p].hangupSeen)) {
-          ev |= POLLIN;  // without a receive queued: watching for a kError frame
+          ev |= POLLIN;  // without a receive queued: watching for a kError frame (or a fence)
         }
         if (ev == 0 && peers_[p].hangupSeen) {
           continue;  // already known to be gone; only an error if an op needs it

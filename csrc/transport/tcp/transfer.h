@@ -43,12 +43,25 @@ struct Peer {
   // The stream stopped in the middle of a message (or is shut down): it can never carry
   // another frame, so a shrink must not reuse it. Written by the thread that owns the stream.
   bool dirty = false;
+  // The peer's kError frame for the communicator that owns the stream was read: nothing of
+  // that communicator follows on it (a shrink's resync need not wait for it).
+  bool ended = false;
+  // Reused by a shrink whose fence from this peer is still unread: the hash it must carry
+  // (0: none pending). The first op reads it before anything else (resync.h).
+  uint64_t fence = 0;
+  WireHeader fenceIn{};  // the fence's header, as far as read
+  size_t fenceGot = 0;
 };
 
-// Writes a whole kError frame carrying `failure` (tagged `tag`, see wire.h) to every peer whose
-// stream is clean, without blocking; a peer that cannot take the whole frame at once is marked
-// dirty, for its owner to shut down.
-void sendErrorFrames(std::vector<Peer>& peers, int self, const Status& failure, uint64_t seq, uint64_t tag);
+// Writes a whole kError frame carrying `failure` (tagged with the hash `comm` of the
+// communicator that ended, see wire.h) to every peer whose stream is clean, without blocking;
+// a peer that cannot take the whole frame at once is marked dirty, for its owner to shut down.
+void sendErrorFrames(std::vector<Peer>& peers, int self, const Status& failure, uint64_t seq, uint64_t comm);
+
+// The status a peer's kError frame reports, once its header `h` is read and `have` bytes of its
+// text (`text`) with it: reads the rest of the text (briefly bounded). `*clean`: exactly the
+// frame was consumed, so the stream sits at the peer's next frame.
+Status peerErrorStatus(Peer& peer, int index, const WireHeader& h, std::string text, bool* clean);
 
 // What every message of one op carries in its header.
 struct MsgMeta {
@@ -57,6 +70,7 @@ struct MsgMeta {
   RedOp redop = RedOp::kSum;
   uint64_t seq = 0;
   uint64_t tag = 0;
+  uint64_t comm = 0;  // the communicator's hash, which tags its kError frames
 };
 
 class Transfer {

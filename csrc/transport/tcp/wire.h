@@ -11,13 +11,14 @@ constexpr uint32_t kWireMagic = 0x52434d31;  // "RCM1"
 
 enum class MsgKind : uint8_t {
   kData = 1,
-  // The sender's communicator failed; `bytes` of UTF-8 text follow, `dtype` holds the
-  // StatusCode. Sent only at a message boundary, and only whole (see transfer.h). `tag` is 0
-  // for a failure of the communicator that owns the stream, or the hash of a communicator whose
-  // build over a reused stream failed (mesh.h).
+  // The sender's communicator ended with a failure; `bytes` of UTF-8 text follow, `dtype`
+  // holds the StatusCode, `tag` the hash of that communicator. Sent only at a message boundary,
+  // only whole, and at most once per communicator and stream (see transfer.h): it is the last
+  // frame that communicator sends there, which is what lets a shrink reuse the stream
+  // (resync.h). A communicator whose build over reused streams fails sends one too.
   kError = 2,
-  // Resynchronises a reused stream for a shrunk communicator (mesh.h): `tag` holds the new
-  // communicator's hash and `seq` the sender's rank in it; no payload.
+  // The first frame of a shrunk communicator on a reused stream (resync.h): `tag` holds the
+  // new communicator's hash and `seq` the sender's rank in it; no payload.
   kFence = 3,
 };
 
