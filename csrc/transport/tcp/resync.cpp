@@ -42,13 +42,27 @@ Status otherCommunicator(int peer) {
                     "epoch differs); every member must shrink with the same arguments");
 }
 
-// Once the peer's parent kError is read: a stream that already ended behind it (the peer
-// died, or dropped the stream) is gone.
-void checkEnd(Pair& p, int fd) {
-  char c;
-  ssize_t r = ::recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-  if (r == 0 || (r < 0 && !wouldBlock(errno))) {
-    p.gone = true;
+// Once every peer's parent kError is read: a stream that already ended right behind it (the
+// peer died, or dropped the stream) is gone. One poll for all of them.
+void checkEnds(std::vector<Pair>& pairs, std::vector<Peer>& peers) {
+  std::vector<pollfd> fds;
+  std::vector<Pair*> who;
+  for (Pair& p : pairs) {
+    if (!p.gone) {
+      fds.push_back(pollfd{peers[p.peer].sock.fd(), POLLRDHUP, 0});
+      who.push_back(&p);
+    }
+  }
+  if (fds.empty() || ::poll(fds.data(), fds.size(), 0) <= 0) {
+    return;
+  }
+  for (size_t i = 0; i < fds.size(); ++i) {
+    if (fds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) {
+      // Gone unless frames wait in front of the end: then the first op reads them (the
+      // peer's fence for another group, say, is a clearer verdict than a fresh connection).
+      char c;
+      who[i]->gone = ::recv(fds[i].fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) <= 0;
+    }
   }
 }
 
@@ -61,10 +75,7 @@ Status readUntilEnd(Pair& p, int fd, uint64_t parent) {
       r = ::recv(fd, sink, std::min<uint64_t>(p.skip, sizeof(sink)), MSG_DONTWAIT);
       if (r > 0) {
         p.skip -= static_cast<uint64_t>(r);
-        if (p.skip == 0 && p.last) {
-          p.ended = true;
-          checkEnd(p, fd);
-        }
+        p.ended = p.skip == 0 && p.last;
         continue;
       }
     } else {
@@ -84,10 +95,7 @@ Status readUntilEnd(Pair& p, int fd, uint64_t parent) {
           // The parent's data or fence, an ancestor's kError, or the parent's own kError.
           p.last = h.kind == static_cast<uint8_t>(MsgKind::kError) && h.tag == parent;
           p.skip = h.bytes;
-          if (p.skip == 0 && p.last) {
-            p.ended = true;
-            checkEnd(p, fd);
-          }
+          p.ended = p.skip == 0 && p.last;
         }
         continue;
       }
@@ -122,10 +130,7 @@ Status runPairs(std::vector<Pair>& pairs, std::vector<Peer>& peers, uint64_t par
   for (Pair& p : pairs) {
     const int fd = peers[p.peer].sock.fd();
     writeFence(p, fd);
-    if (p.ended) {
-      checkEnd(p, fd);  // the parent read the peer's kError already
-    }
-    RC_RETURN_IF_ERROR(readUntilEnd(p, fd, parent));  // usually all there: no poll at all
+    RC_RETURN_IF_ERROR(readUntilEnd(p, fd, parent));  // usually all there: no wait at all
   }
   for (;;) {
     fds.clear();
@@ -141,6 +146,7 @@ Status runPairs(std::vector<Pair>& pairs, std::vector<Peer>& peers, uint64_t par
       who.push_back(&p);
     }
     if (fds.empty()) {
+      checkEnds(pairs, peers);
       return Status::ok();
     }
     if (abort.aborted()) {
@@ -219,6 +225,46 @@ Status resyncStreams(int rank, uint64_t hash, uint64_t parent, std::vector<Peer>
   return Status::ok();
 }
 
+Status fenceEnded(Peer& peer, int index, int err) {
+  peer.hangupSeen = true;
+  return Status(StatusCode::kPeerFailure,
+                "rank " + std::to_string(index) + " closed its connection before it joined the shrunk communicator" +
+                    (err != 0 ? std::string(" (") + std::strerror(err) + ")" : std::string()) +
+                    ": it died, gave up the shrink, or is building a different communicator without this rank " +
+                    "(every member must shrink with the same arguments)");
+}
+
+bool fenceMatches(const Peer& peer, int index) {
+  const WireHeader& h = peer.fenceIn;
+  return h.magic == kWireMagic && h.kind == static_cast<uint8_t>(MsgKind::kFence) && h.tag == peer.fence &&
+         h.seq == static_cast<uint64_t>(index);
+}
+
+Status fenceVerdict(Peer& peer, int index, std::string after) {
+  const bool match = fenceMatches(peer, index);
+  const WireHeader h = peer.fenceIn;
+  peer.fenceGot = 0;
+  peer.fence = 0;
+  if (match) {
+    return Status::ok();
+  }
+  if (h.magic != kWireMagic) {
+    peer.dirty = true;
+    return Status(StatusCode::kInternal, "corrupt stream from rank " + std::to_string(index) + " (bad magic)");
+  }
+  if (h.kind == static_cast<uint8_t>(MsgKind::kError)) {
+    bool clean = false;
+    Status st = peerErrorStatus(peer, index, h, std::move(after), &clean);
+    peer.ended = clean;
+    peer.dirty = peer.dirty || !clean;
+    return st;
+  }
+  if (h.kind != static_cast<uint8_t>(MsgKind::kFence) || !after.empty()) {
+    peer.dirty = true;  // a frame left half read
+  }
+  return otherCommunicator(index);
+}
+
 Status takeFence(Peer& peer, int index) {
   const int fd = peer.sock.fd();
   while (peer.fenceGot < kHdr) {
@@ -230,35 +276,9 @@ Status takeFence(Peer& peer, int index) {
     if (r < 0 && wouldBlock(errno)) {
       return Status::ok();
     }
-    peer.hangupSeen = true;
-    return Status(StatusCode::kPeerFailure,
-                  "rank " + std::to_string(index) + " closed its connection before it joined the shrunk " +
-                      "communicator" + (r < 0 ? std::string(" (") + std::strerror(errno) + ")" : std::string()) +
-                      ": it died, gave up the shrink, or is building a different communicator without this rank " +
-                      "(every member must shrink with the same arguments)");
+    return fenceEnded(peer, index, r < 0 ? errno : 0);
   }
-  const WireHeader h = peer.fenceIn;
-  const uint64_t want = peer.fence;
-  peer.fenceGot = 0;
-  peer.fence = 0;
-  if (h.magic != kWireMagic) {
-    peer.dirty = true;
-    return Status(StatusCode::kInternal, "corrupt stream from rank " + std::to_string(index) + " (bad magic)");
-  }
-  if (h.kind == static_cast<uint8_t>(MsgKind::kError)) {
-    bool clean = false;
-    Status st = peerErrorStatus(peer, index, h, std::string(), &clean);
-    peer.ended = clean;
-    peer.dirty = peer.dirty || !clean;
-    return st;
-  }
-  if (h.kind != static_cast<uint8_t>(MsgKind::kFence) || h.tag != want || h.seq != static_cast<uint64_t>(index)) {
-    if (h.kind != static_cast<uint8_t>(MsgKind::kFence)) {
-      peer.dirty = true;  // a frame left unread
-    }
-    return otherCommunicator(index);
-  }
-  return Status::ok();
+  return fenceVerdict(peer, index, std::string());
 }
 
 Status awaitFences(std::vector<Peer>& peers, int rank, const Deadline& dl, const AbortToken& abort) {

@@ -14,11 +14,13 @@
 // the peer's parent kError, unless the parent already read it. The parent's failure sent those
 // frames before anyone called shrink, so this usually costs no wait at all: the build does
 // not wait for the peers to call shrink. Their fences are read later, as the first frame from
-// each peer: by the first op that touches that peer (takeFence), or all at once by
-// waitReady() (awaitFences). A fence for another communicator fails that op, or waitReady,
-// with a Mismatch (the members shrank with different arguments); a kError in its place
-// reports that the peer's build failed. A build that must also connect afresh reads the
-// fences first, so that a mismatch fails it at once rather than at the deadline.
+// each peer: by the first op that receives from that peer, in the same read as its first
+// message (a peer the op does not receive from is watched for its fence once the op has
+// waited 1 ms: transfer.cpp, kWatchFencedAfter), or all at once by waitReady()
+// (awaitFences). A fence for another communicator fails that op, or waitReady, with a
+// Mismatch (the members shrank with different arguments); a kError in its place reports that
+// the peer's build failed. A build that must also connect afresh reads the fences first, so
+// that a mismatch fails it at once rather than at the deadline.
 //
 // Outcomes per pair in the build: the peer's parent kError arrived and the stream has not
 // ended behind it (reused, its fence pending); the stream ends or is garbled (the peer
@@ -52,6 +54,16 @@ Status resyncStreams(int rank, uint64_t hash, uint64_t parent, std::vector<Peer>
 // `peer.fence` once it is read and matches. A mismatch, a kError in its place, or the stream
 // ending is the error returned.
 Status takeFence(Peer& peer, int index);
+
+// Once peer.fenceIn is whole: whether it is the fence expected from peer `index`.
+bool fenceMatches(const Peer& peer, int index);
+// Once peer.fenceIn is whole: clears the pending fence; Ok if it matches, else the error (a
+// Mismatch, or the peer's failure if a kError stands in its place). `after` holds what the
+// caller read past it when it does not match (the start of a kError's text).
+Status fenceVerdict(Peer& peer, int index, std::string after);
+// The error for a stream that ended (`err`: errno, or 0 for an orderly end) where the fence
+// was due.
+Status fenceEnded(Peer& peer, int index, int err);
 
 // Reads every pending fence, waiting up to `dl`.
 Status awaitFences(std::vector<Peer>& peers, int rank, const Deadline& dl, const AbortToken& abort);

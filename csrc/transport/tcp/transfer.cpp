@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <cstring>
 #include <string>
@@ -19,6 +20,12 @@ namespace {
 
 constexpr size_t kHdr = sizeof(WireHeader);
 constexpr size_t kMaxErrorText = 4096;
+// After a shrink each peer's first frame is its fence (resync.h), read with the first message
+// this communicator receives from that peer. A peer an op does not receive from is watched
+// for it (and for a kError behind it) only once the op has waited this long: reading every
+// fence as it lands would wake the first op of a shrunk group once per peer, while a peer
+// that built another group, or failed to build, is still found about this soon.
+constexpr std::chrono::milliseconds kWatchFencedAfter{1};
 
 std::string describeHeader(const WireHeader& h) {
   std::string s = std::string(opKindName(static_cast<OpKind>(h.op))) + " #" + std::to_string(h.seq) + " (" +
@@ -110,6 +117,9 @@ Status Transfer::progressSend(int peer, bool* progressed) {
     if (w < 0) {
       if (wouldBlock(errno)) {
         return Status::ok();
+      }
+      if (peers_[peer].fence != 0) {
+        return fenceEnded(peers_[peer], peer, errno);  // it never joined this (shrunk) group
       }
       return Status(StatusCode::kPeerFailure, "lost the connection to rank " + std::to_string(peer) + " (send: " +
                                                   std::strerror(errno) + "); it died or aborted");
@@ -212,6 +222,43 @@ Status Transfer::peekUnexpected(int peer) {
   return peerError(peer, item);
 }
 
+// The peer's fence is due before the first message this op receives from it: one read takes
+// the fence and as much of that message as has arrived (resync.h).
+Status Transfer::progressFence(int peer) {
+  Peer& p = peers_[peer];
+  RecvItem& it = q_[peer].recvs.front();
+  if (p.fenceGot != 0 || it.done != 0) {
+    return takeFence(p, peer);  // the rest of a fence already begun
+  }
+  iovec iov[3] = {{&p.fenceIn, kHdr}, {&it.got, kHdr}, {it.buf, it.expect.bytes}};
+  ssize_t r = ::readv(p.sock.fd(), iov, it.expect.bytes > 0 ? 3 : 2);
+  if (r < 0 && wouldBlock(errno)) {
+    return Status::ok();
+  }
+  if (r <= 0) {
+    return fenceEnded(p, peer, r < 0 ? errno : 0);
+  }
+  const size_t got = static_cast<size_t>(r);
+  p.fenceGot = std::min(got, kHdr);
+  if (p.fenceGot < kHdr) {
+    return Status::ok();
+  }
+  const size_t past = got - kHdr;  // bytes of the next frame, in it.got and then it.buf
+  if (fenceMatches(p, peer)) {
+    RC_RETURN_IF_ERROR(fenceVerdict(p, peer, std::string()));
+    it.done = past;
+    if (!it.checked && it.done >= kHdr) {
+      RC_RETURN_IF_ERROR(checkHeader(peer, it));
+    }
+    return Status::ok();  // progressRecv goes on with the message
+  }
+  std::string after(reinterpret_cast<const char*>(&it.got), std::min(past, kHdr));
+  if (past > kHdr) {
+    after.append(it.buf, past - kHdr);
+  }
+  return fenceVerdict(p, peer, std::move(after));
+}
+
 void Transfer::markDirty() {
   for (size_t p = 0; p < q_.size(); ++p) {
     const Queues& q = q_[p];
@@ -222,47 +269,61 @@ void Transfer::markDirty() {
   }
 }
 
+// One read of the message `it` from `peer`; `*blocked` when nothing has arrived.
+Status Transfer::readMore(int peer, RecvItem& it, bool* blocked) {
+  *blocked = false;
+  const size_t total = kHdr + it.expect.bytes;
+  iovec iov[2];
+  int n = 0;
+  if (it.done < kHdr) {
+    iov[n++] = {reinterpret_cast<char*>(&it.got) + it.done, kHdr - it.done};
+    if (it.expect.bytes > 0) {
+      iov[n++] = {it.buf, it.expect.bytes};
+    }
+  } else {
+    iov[n++] = {it.buf + (it.done - kHdr), total - it.done};
+  }
+  ssize_t r = ::readv(peers_[peer].sock.fd(), iov, n);
+  if (r < 0) {
+    if (wouldBlock(errno)) {
+      *blocked = true;
+      return Status::ok();
+    }
+    return Status(StatusCode::kPeerFailure, "lost the connection to rank " + std::to_string(peer) + " (recv: " +
+                                                std::strerror(errno) + "); it died or aborted");
+  }
+  if (r == 0) {
+    peers_[peer].hangupSeen = true;
+    return Status(StatusCode::kPeerFailure, "rank " + std::to_string(peer) + " closed its connection in the middle of " +
+                                                describeHeader(it.expect) + "; it died, exited or aborted");
+  }
+  it.done += static_cast<size_t>(r);
+  if (!it.checked && it.done >= kHdr) {
+    RC_RETURN_IF_ERROR(checkHeader(peer, it));
+  }
+  return Status::ok();
+}
+
 Status Transfer::progressRecv(int peer) {
   Queues& q = q_[peer];
   if (!q.recvs.empty() && peers_[peer].fence != 0) {
-    RC_RETURN_IF_ERROR(takeFence(peers_[peer], peer));
+    RC_RETURN_IF_ERROR(progressFence(peer));
     if (peers_[peer].fence != 0) {
       return Status::ok();  // the rest of it is on its way
     }
   }
   while (!q.recvs.empty()) {
     RecvItem& it = q.recvs.front();
-    size_t total = kHdr + it.expect.bytes;
-    iovec iov[2];
-    int n = 0;
-    if (it.done < kHdr) {
-      iov[n++] = {reinterpret_cast<char*>(&it.got) + it.done, kHdr - it.done};
-      if (it.expect.bytes > 0) {
-        iov[n++] = {it.buf, it.expect.bytes};
-      }
-    } else {
-      iov[n++] = {it.buf + (it.done - kHdr), total - it.done};
-    }
-    ssize_t r = ::readv(peers_[peer].sock.fd(), iov, n);
-    if (r < 0) {
-      if (wouldBlock(errno)) {
+    const size_t total = kHdr + it.expect.bytes;
+    if (it.done < total) {  // else read whole together with the fence (progressFence)
+      bool blocked = false;
+      RC_RETURN_IF_ERROR(readMore(peer, it, &blocked));
+      if (blocked) {
         return Status::ok();
       }
-      return Status(StatusCode::kPeerFailure, "lost the connection to rank " + std::to_string(peer) + " (recv: " +
-                                                  std::strerror(errno) + "); it died or aborted");
-    }
-    if (r == 0) {
-      peers_[peer].hangupSeen = true;
-      return Status(StatusCode::kPeerFailure,
-                    "rank " + std::to_string(peer) + " closed its connection in the middle of " +
-                        describeHeader(it.expect) + "; it died, exited or aborted");
-    }
-    it.done += static_cast<size_t>(r);
-    if (!it.checked && it.done >= kHdr) {
-      RC_RETURN_IF_ERROR(checkHeader(peer, it));
-    }
-    if (it.done < total) {
-      continue;
+      if (it.done < total) {
+        continue;
+      }
     }
     Callback cb = std::move(it.cb);
     q.recvs.pop_front();
@@ -321,6 +382,7 @@ Status Transfer::run() {
     for (size_t p = 0; p < q_.size(); ++p) {
       RC_RETURN_IF_ERROR(progressSend(static_cast<int>(p), &progressed));
     }
+    const Deadline watchFenced(Deadline::Clock::now() + kWatchFencedAfter);
     std::vector<pollfd> fds;
     std::vector<int> who;
     fds.reserve(peers_.size());
@@ -334,6 +396,7 @@ Status Transfer::run() {
       }
       fds.clear();
       who.clear();
+      bool deferred = false;  // a fenced peer left unwatched for now
       for (size_t p = 0; p < peers_.size(); ++p) {
         if (static_cast<int>(p) == self_ || !peers_[p].sock.valid()) {
           continue;
@@ -343,8 +406,13 @@ Status Transfer::run() {
         if (!q.sends.empty()) {
           ev |= POLLOUT;
         }
-        if (!q.recvs.empty() || !(ignoreInput_[p] || peers_[p].hangupSeen)) {
-          ev |= POLLIN;  // without a receive queued: watching for a kError frame (or a fence)
+        const bool fenced = peers_[p].fence != 0;
+        if (!q.recvs.empty() || !(ignoreInput_[p] || peers_[p].hangupSeen || (fenced && !watchFenced.passed()))) {
+          // Without a receive queued: watching for a kError frame, behind a shrink's fence
+          // only once this op has waited a while (see kWatchFencedAfter).
+          ev |= POLLIN;
+        } else if (fenced && !watchFenced.passed()) {
+          deferred = true;
         }
         if (ev == 0 && peers_[p].hangupSeen) {
           continue;  // already known to be gone; only an error if an op needs it
@@ -356,7 +424,7 @@ Status Transfer::run() {
         fds.push_back(pollfd{wakeFd_, POLLIN, 0});
         who.push_back(-1);
       }
-      int rc = ::poll(fds.data(), fds.size(), dl_.remainingMs());
+      int rc = ::poll(fds.data(), fds.size(), (deferred ? watchFenced.earliest(dl_) : dl_).remainingMs());
       if (rc < 0) {
         if (errno == EINTR) {
           continue;
@@ -381,6 +449,14 @@ Status Transfer::run() {
           RC_RETURN_IF_ERROR(peekUnexpected(p));
         }
         if (!involved) {
+          if (hup && peers_[p].fence != 0) {
+            // A fenced peer that hung up may have left its verdict in front of the end (a
+            // fence for another group, or its failure): read it. A plain end is only noted.
+            Status f = takeFence(peers_[p], p);
+            if (!f.isOk() && !peers_[p].hangupSeen) {
+              return f;
+            }
+          }
           peers_[p].hangupSeen = peers_[p].hangupSeen || hup;
           continue;
         }

@@ -123,6 +123,8 @@ class Transfer {
   // A peer this op is not receiving from became readable: a kError frame fails the op; anything
   // else is a later op's message, left alone (the peer is not watched for input again).
   Status peekUnexpected(int peer);
+  Status progressFence(int peer);
+  Status readMore(int peer, RecvItem& item, bool* blocked);
   void markDirty();
   std::string describePending() const;
   bool pending() const;
