@@ -69,8 +69,9 @@ def _check_collectives(pg: dist.ProcessGroup, tag: float) -> list[str]:
     return bad
 
 
-def _shrink_after_kill(ctx: WorkerContext, victims: list[int], numel: int) -> dict:
-    ctx.init("resilient_tcp", timeout_s=30)
+def _all_reduce_until_failure(ctx: WorkerContext, numel: int) -> str:
+    """Loops all_reduce on the default group (telling the test once it is under way) until the
+    group fails; returns the error's class name."""
     store = ctx.store()
     t = torch.ones(numel)
     i = 0
@@ -81,7 +82,12 @@ def _shrink_after_kill(ctx: WorkerContext, victims: list[int], numel: int) -> di
             if i == 10:
                 store.set(f"looping/{ctx.rank}", "1")
     except resilient_comm.CommError as e:
-        kind = type(e).__name__
+        return type(e).__name__
+
+
+def _shrink_after_kill(ctx: WorkerContext, victims: list[int], numel: int) -> dict:
+    ctx.init("resilient_tcp", timeout_s=30)
+    kind = _all_reduce_until_failure(ctx, numel)
     start = time.monotonic()
     pg = resilient_comm.shrink(victims)
     x = torch.ones(1)
@@ -143,17 +149,7 @@ def _timed_shrink(exclude: list[int]) -> dict:
 
 def _mismatched_shrink(ctx: WorkerContext) -> dict:
     ctx.init("resilient_tcp", timeout_s=3)  # also the deadline of the shrink's build
-    store = ctx.store()
-    t = torch.ones(16)
-    i = 0
-    try:
-        while True:
-            dist.all_reduce(t)
-            i += 1
-            if i == 10:
-                store.set(f"looping/{ctx.rank}", "1")
-    except resilient_comm.CommError:
-        pass
+    _all_reduce_until_failure(ctx, 16)
     # Rank 3 died; ranks 0 and 1 exclude it, rank 2 wrongly excludes rank 1 instead.
     exclude = [1] if ctx.rank == 2 else [3]
     return _timed_shrink(exclude)
@@ -187,17 +183,8 @@ def test_shrink_with_mismatched_exclude_lists_fails_clearly_within_the_deadline(
 
 def _survivor_dies_before_shrink(ctx: WorkerContext) -> dict:
     ctx.init("resilient_tcp", timeout_s=30)
+    _all_reduce_until_failure(ctx, 16)
     store = ctx.store()
-    t = torch.ones(16)
-    i = 0
-    try:
-        while True:
-            dist.all_reduce(t)
-            i += 1
-            if i == 10:
-                store.set(f"looping/{ctx.rank}", "1")
-    except resilient_comm.CommError:
-        pass
     store.set(f"failed/{ctx.rank}", "1")
     store.wait(["dead/2"])  # rank 2 is SIGKILLed here, after it saw the first failure
     return _timed_shrink([3])
@@ -348,17 +335,7 @@ def test_torch_process_group_split_group_uses_our_split() -> None:
 
 def _torch_shrink_group_after_kill(ctx: WorkerContext) -> dict:
     ctx.init("resilient_tcp", timeout_s=30)
-    store = ctx.store()
-    t = torch.ones(16)
-    i = 0
-    try:
-        while True:
-            dist.all_reduce(t)
-            i += 1
-            if i == 10:
-                store.set(f"looping/{ctx.rank}", "1")
-    except resilient_comm.CommError as e:
-        kind = type(e).__name__
+    kind = _all_reduce_until_failure(ctx, 16)
     # torch's own API, straight onto our Backend::shrink (SHRINK_ABORT: the group failed).
     pg = dist.shrink_group([1], shrink_flags=c10d.SHRINK_ABORT)
     x = torch.tensor([float(ctx.rank)])

@@ -131,23 +131,19 @@ bool RepOutcome::value(const std::string& key, double* out) const {
 }
 
 bool RepOutcome::minOver(const std::string& key, double* out) const {
-  bool found = false;
-  for (const auto& m : perProcess) {
-    auto it = m.find(key);
-    if (it != m.end()) {
-      *out = found ? std::min(*out, it->second) : it->second;
-      found = true;
-    }
-  }
-  return found;
+  return extremeOver(key, out, [](double a, double b) { return std::min(a, b); });
 }
 
 bool RepOutcome::maxOver(const std::string& key, double* out) const {
+  return extremeOver(key, out, [](double a, double b) { return std::max(a, b); });
+}
+
+bool RepOutcome::extremeOver(const std::string& key, double* out, double (*pick)(double, double)) const {
   bool found = false;
   for (const auto& m : perProcess) {
     auto it = m.find(key);
     if (it != m.end()) {
-      *out = found ? std::max(*out, it->second) : it->second;
+      *out = found ? pick(*out, it->second) : it->second;
       found = true;
     }
   }

@@ -32,6 +32,7 @@ struct RepOutcome {
  private:
   bool maxOver(const std::string& key, double* out) const;
   bool minOver(const std::string& key, double* out) const;
+  bool extremeOver(const std::string& key, double* out, double (*pick)(double, double)) const;
 };
 
 struct WorldResult {

@@ -289,56 +289,38 @@ TEST(tcp_shrink_builds_without_waiting_for_the_others_to_shrink) {
   checkEveryCollective(shrunk, 16);
 }
 
+// Rank 0 of `comms` (3 ranks) shrinks out rank 2 and waits for its child until it aborts it,
+// which must return that wait at once; then rank 1's shrink must fail within its deadline.
+void abortRank0WhileItWaits(const Comms& comms, const std::string& reason) {
+  auto r0 = comms[0]->shrink({2}, true, Deadline::after(kLong));
+  CHECK(r0.isOk()) << r0.status().toString();
+  std::shared_ptr<Communicator> child = r0.take();
+  auto [waited, ms] = abortWhileWaiting(*child, [&] { return child->waitReady(Deadline::after(kLong)); }, reason);
+  CHECK(waited.code() == StatusCode::kAborted) << waited.toString();
+  CHECK(waited.message().find(reason) != std::string::npos) << waited.toString();
+  CHECK(ms < 50) << "waitReady returned " << ms << " ms after the abort";
+  const Clock::time_point t1 = Clock::now();
+  auto r1 = comms[1]->shrink({2}, true, Deadline::after(std::chrono::milliseconds(500)));
+  CHECK(r1.isOk()) << r1.status().toString();
+  Status s1 = r1.value()->waitReady(Deadline::after(kLong));
+  if (s1.isOk()) {
+    float x = 1;
+    s1 = r1.value()->allReduce(&x, 1, DataType::kFloat32, RedOp::kSum, Deadline::after(kLong));
+  }
+  CHECK(!s1.isOk());
+  CHECK(msSince(t1) < 2000) << "rank 1 took " << msSince(t1) << " ms to fail";
+}
+
 TEST(tcp_abort_during_resync_returns_at_once) {
-  {
-    // Rank 1's communicator has not failed (it is idle and Ready), so rank 0's build waits for
-    // its last frame of the parent until rank 0 aborts the child.
-    Comms comms = makeGroup(3, "abortresync/");
-    auto r0 = comms[0]->shrink({2}, true, Deadline::after(kLong));
-    CHECK(r0.isOk()) << r0.status().toString();
-    std::shared_ptr<Communicator> child = r0.take();
-    auto [waited, ms] = abortWhileWaiting(
-        *child, [&] { return child->waitReady(Deadline::after(kLong)); }, "test: abort during the resync");
-    CHECK(waited.code() == StatusCode::kAborted) << waited.toString();
-    CHECK(waited.message().find("abort during the resync") != std::string::npos) << waited.toString();
-    CHECK(ms < 50) << "waitReady returned " << ms << " ms after the abort";
-    // Rank 1's shrink cannot give a working group now: it fails within its deadline.
-    const Clock::time_point t1 = Clock::now();
-    auto r1 = comms[1]->shrink({2}, true, Deadline::after(std::chrono::milliseconds(500)));
-    CHECK(r1.isOk()) << r1.status().toString();
-    Status s1 = r1.value()->waitReady(Deadline::after(kLong));
-    if (s1.isOk()) {
-      float x = 1;
-      s1 = r1.value()->allReduce(&x, 1, DataType::kFloat32, RedOp::kSum, Deadline::after(kLong));
-    }
-    CHECK(!s1.isOk());
-    CHECK(msSince(t1) < 2000) << "rank 1 took " << msSince(t1) << " ms to fail";
-  }
-  {
-    // Every survivor failed, so rank 0's child is built at once; waitReady then waits for rank
-    // 1's fence (rank 1 has not shrunk yet) until rank 0 aborts the child.
-    Comms comms = makeGroup(3, "abortfence/");
-    failDuring(comms, 2, 16);
-    auto r0 = comms[0]->shrink({2}, true, Deadline::after(kLong));
-    CHECK(r0.isOk()) << r0.status().toString();
-    std::shared_ptr<Communicator> child = r0.take();
-    auto [waited, ms] = abortWhileWaiting(
-        *child, [&] { return child->waitReady(Deadline::after(kLong)); }, "test: abort while waiting for a fence");
-    CHECK(waited.code() == StatusCode::kAborted) << waited.toString();
-    CHECK(waited.message().find("abort while waiting for a fence") != std::string::npos) << waited.toString();
-    CHECK(ms < 50) << "waitReady returned " << ms << " ms after the abort";
-    // Rank 1's child finds rank 0's side gone: its first collective fails at once.
-    const Clock::time_point t1 = Clock::now();
-    auto r1 = comms[1]->shrink({2}, true, Deadline::after(std::chrono::milliseconds(500)));
-    CHECK(r1.isOk()) << r1.status().toString();
-    Status s1 = r1.value()->waitReady(Deadline::after(kLong));
-    if (s1.isOk()) {
-      float x = 1;
-      s1 = r1.value()->allReduce(&x, 1, DataType::kFloat32, RedOp::kSum, Deadline::after(kLong));
-    }
-    CHECK(!s1.isOk());
-    CHECK(msSince(t1) < 2000) << "rank 1 took " << msSince(t1) << " ms to fail";
-  }
+  // Rank 1's communicator has not failed (it is idle and Ready), so rank 0's build waits for
+  // its last frame of the parent until rank 0 aborts the child.
+  abortRank0WhileItWaits(makeGroup(3, "abortresync/"), "test: abort during the resync");
+  // Every survivor failed, so rank 0's child is built at once; waitReady then waits for rank
+  // 1's fence (rank 1 has not shrunk yet) until rank 0 aborts the child, whose side rank 1's
+  // child then finds gone.
+  Comms comms = makeGroup(3, "abortfence/");
+  failDuring(comms, 2, 16);
+  abortRank0WhileItWaits(comms, "test: abort while waiting for a fence");
 }
 
 TEST(tcp_mismatched_fences_fail_the_first_collective) {
