@@ -26,6 +26,8 @@ class Backstop {
 
   // At `at`, unless `claimed()` holds by then, calls `run` on a new detached thread. Both
   // functions are called without any lock held; `claimed` on the backstop's own thread.
+  // Until `at` the backstop holds both (and what they capture: a communicator lives at
+  // least that long).
   static void schedule(Clock::time_point at, std::function<bool()> claimed, std::function<void()> run);
 };
 
