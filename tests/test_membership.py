@@ -7,6 +7,8 @@ import datetime
 import signal
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -85,6 +87,17 @@ def _all_reduce_until_failure(ctx: WorkerContext, numel: int) -> str:
         return type(e).__name__
 
 
+def _kill_while_looping(fn: Callable[..., Any], world_size: int, victims: list[int], *args: Any) -> list:
+    """Starts `fn` on `world_size` workers, SIGKILLs `victims` once every worker is looping
+    all_reduce (_all_reduce_until_failure), and returns every worker's result."""
+    with start_workers(fn, world_size, *args, timeout_s=60) as w:
+        for r in range(world_size):
+            w.wait_key(f"looping/{r}")
+        for v in victims:
+            w.kill(v, signal.SIGKILL)
+        return w.join()
+
+
 def _shrink_after_kill(ctx: WorkerContext, victims: list[int], numel: int) -> dict:
     ctx.init("resilient_tcp", timeout_s=30)
     kind = _all_reduce_until_failure(ctx, numel)
@@ -113,12 +126,7 @@ def _shrink_after_kill(ctx: WorkerContext, victims: list[int], numel: int) -> di
 def test_survivors_shrink_after_sigkill_and_every_collective_works(
     world_size: int, victims: list[int], numel: int
 ) -> None:
-    with start_workers(_shrink_after_kill, world_size, victims, numel, timeout_s=60) as w:
-        for r in range(world_size):
-            w.wait_key(f"looping/{r}")
-        for v in victims:
-            w.kill(v, signal.SIGKILL)
-        results = w.join()
+    results = _kill_while_looping(_shrink_after_kill, world_size, victims, victims, numel)
     for res in results:
         if res.rank in victims:
             continue
@@ -157,11 +165,7 @@ def _mismatched_shrink(ctx: WorkerContext) -> dict:
 
 @pytest.mark.timeout(90)
 def test_shrink_with_mismatched_exclude_lists_fails_clearly_within_the_deadline() -> None:
-    with start_workers(_mismatched_shrink, 4, timeout_s=60) as w:
-        for r in range(4):
-            w.wait_key(f"looping/{r}")
-        w.kill(3, signal.SIGKILL)
-        results = w.join()
+    results = _kill_while_looping(_mismatched_shrink, 4, [3])
     by_rank = {r.rank: r for r in results if r.rank != 3}
     for rank, res in by_rank.items():
         assert res.ok, res.error
@@ -346,11 +350,7 @@ def _torch_shrink_group_after_kill(ctx: WorkerContext) -> dict:
 
 @pytest.mark.timeout(90)
 def test_torch_distributed_shrink_group_works_with_our_backend() -> None:
-    with start_workers(_torch_shrink_group_after_kill, 4, timeout_s=60) as w:
-        for r in range(4):
-            w.wait_key(f"looping/{r}")
-        w.kill(1, signal.SIGKILL)
-        results = w.join()
+    results = _kill_while_looping(_torch_shrink_group_after_kill, 4, [1])
     for res in results:
         if res.rank == 1:
             continue
