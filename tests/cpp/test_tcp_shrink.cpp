@@ -2,9 +2,10 @@
 // over loopback sockets and an in-process store: a member whose communicator is aborted
 // (every socket shut down, as the kernel does for a killed process) during a collective,
 // then shrink, every collective on the result; a child built before the other survivors
-// shrink; abort during the resync and during the wait for fences; mismatched exclude lists
-// (in the build, and in the first collective); a stale Hello left on the shared listener by
-// an abandoned build. Real processes and real SIGKILL are in tests/test_membership.py.
+// shrink; abort during the resync, during the wait for fences and during a grow; mismatched
+// exclude lists (in the build, and in the first collective); a stale Hello left on the shared
+// listener by an abandoned build. Real processes and real SIGKILL are in
+// tests/test_membership.py.
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <sys/syscall.h>
@@ -321,6 +322,27 @@ TEST(tcp_abort_during_resync_returns_at_once) {
   Comms comms = makeGroup(3, "abortfence/");
   failDuring(comms, 2, 16);
   abortRank0WhileItWaits(comms, "test: abort while waiting for a fence");
+}
+
+TEST(tcp_abort_during_grow_returns_at_once) {
+  // The members grow for a joiner that never comes: each child's build waits in the store for
+  // the joiner's address until it is aborted.
+  Comms comms = makeGroup(2, "abortgrow/");
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::shared_ptr<Communicator>> grown(2);
+  for (int r = 0; r < 2; ++r) {
+    auto g = comms[r]->grow(3, store, "abortgrow/join/", Deadline::after(kLong));
+    CHECK(g.isOk()) << g.status().toString();
+    grown[r] = g.take();
+  }
+  for (int r = 0; r < 2; ++r) {
+    auto [waited, ms] = abortWhileWaiting(
+        *grown[r], [&] { return grown[r]->waitReady(Deadline::after(kLong)); }, "test: abort during grow");
+    CHECK(waited.code() == StatusCode::kAborted) << "rank " << r << ": " << waited.toString();
+    CHECK(ms < 50) << "rank " << r << ": waitReady returned " << ms << " ms after the abort";
+  }
+  // The members' own group is untouched.
+  checkEveryCollective(comms, 16);
 }
 
 TEST(tcp_mismatched_fences_fail_the_first_collective) {
