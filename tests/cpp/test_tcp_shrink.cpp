@@ -345,6 +345,23 @@ TEST(tcp_abort_during_grow_returns_at_once) {
   checkEveryCollective(comms, 16);
 }
 
+// Ranks 0, 1 and 2 of `comms` (rank 3 died) shrink with a deadline of 1.5 s: ranks 0 and 1
+// exclude rank 3, rank 2 excludes `wrong` instead; then each runs `then` on its child. Per rank:
+// the first error (or Ok) and the milliseconds from its shrink call.
+std::pair<std::vector<Status>, std::vector<double>> shrinkThree(const Comms& comms, const std::vector<int>& wrong,
+                                                               const std::function<Status(Communicator&)>& then) {
+  std::vector<Status> st(3);
+  std::vector<double> ms(3);
+  onEach(3, [&](int r) {
+    const Clock::time_point t0 = Clock::now();
+    auto c = comms[r]->shrink(r == 2 ? wrong : std::vector<int>{3}, true,
+                              Deadline::after(std::chrono::milliseconds(1500)));
+    st[r] = c.isOk() ? then(*c.value()) : c.status();
+    ms[r] = msSince(t0);
+  });
+  return {st, ms};
+}
+
 TEST(tcp_mismatched_fences_fail_the_first_collective) {
   // Without waitReady the fences are read by the first collective: a survivor that shrank
   // with other arguments fails it with a Mismatch on the ranks that read its fence.
@@ -352,19 +369,9 @@ TEST(tcp_mismatched_fences_fail_the_first_collective) {
   failDuring(comms, 3, 16);
   // Ranks 0 and 1 exclude the dead rank 3; rank 2 wrongly excludes rank 1 as well, so its
   // group {0, 2} needs no fresh connection and is ready at once, like theirs.
-  std::vector<Status> st(3);
-  std::vector<double> ms(3);
-  onEach(3, [&](int r) {
-    const Clock::time_point t0 = Clock::now();
-    std::vector<int> exclude = r == 2 ? std::vector<int>{1, 3} : std::vector<int>{3};
-    auto c = comms[r]->shrink(exclude, true, Deadline::after(std::chrono::milliseconds(1500)));
-    if (!c.isOk()) {
-      st[r] = c.status();
-    } else {
-      std::vector<float> x(16, 1.0f);
-      st[r] = c.value()->allReduce(x.data(), x.size(), DataType::kFloat32, RedOp::kSum, Deadline::after(kLong));
-    }
-    ms[r] = msSince(t0);
+  auto [st, ms] = shrinkThree(comms, {1, 3}, [](Communicator& c) {
+    std::vector<float> x(16, 1.0f);
+    return c.allReduce(x.data(), x.size(), DataType::kFloat32, RedOp::kSum, Deadline::after(kLong));
   });
   for (int r = 0; r < 3; ++r) {
     CHECK(!st[r].isOk()) << "rank " << r << " reduced over a group built from mismatched arguments";
@@ -384,15 +391,7 @@ TEST(tcp_shrink_with_mismatched_exclude_lists_fails_within_the_deadline) {
   Comms comms = makeGroup(4, "mismatch/");
   failDuring(comms, 3, 16);
   // Ranks 0 and 1 exclude the dead rank 3; rank 2 wrongly excludes rank 1.
-  std::vector<Status> st(3);
-  std::vector<double> ms(3);
-  onEach(3, [&](int r) {
-    const Clock::time_point t0 = Clock::now();
-    std::vector<int> exclude = r == 2 ? std::vector<int>{1} : std::vector<int>{3};
-    auto c = comms[r]->shrink(exclude, true, Deadline::after(std::chrono::milliseconds(1500)));
-    st[r] = c.isOk() ? c.value()->waitReady(Deadline::after(kLong)) : c.status();
-    ms[r] = msSince(t0);
-  });
+  auto [st, ms] = shrinkThree(comms, {1}, [](Communicator& c) { return c.waitReady(Deadline::after(kLong)); });
   for (int r = 0; r < 3; ++r) {
     CHECK(!st[r].isOk()) << "rank " << r << " built a communicator from mismatched arguments";
     CHECK(ms[r] < 3000) << "rank " << r << " took " << ms[r] << " ms";
