@@ -5,7 +5,10 @@ controller. One SIGKILLs itself at the start of a chosen step. The survivors det
 (op error, the launcher's report), agree on a new membership, shrink their groups, restore
 the last committed step and go on, in the same processes; the recovery timeline of every
 survivor is printed. With ``--spares 1`` a hot spare waits warm and takes the dead rank's
-place instead (world size kept; it receives its state from a peer). ``--compare-torchrun`` runs the same experiment (same model, data,
+place instead (world size kept; it receives its state from a peer). ``--nccl-emulated`` runs the
+workers on ``resilient_nccl`` with RESILIENT_COMM_NCCL_EMULATE=1: every collective, the failure,
+the shrink and the state copy go through the NCCL communicator on the NCCL emulator (the NCCL
+code path, without a GPU). ``--compare-torchrun`` runs the same experiment (same model, data,
 steps and checkpoint cadence) as a torchrun elastic restart from checkpoint, with torch's
 defaults and with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, and prints them side by side.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -70,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ckpt-every", type=int, default=10, help="checkpoint cadence in steps (default 10)")
     p.add_argument("--step-ms", type=float, default=0.0, help="extra time per step standing for compute")
     p.add_argument("--spares", type=int, default=0, help="hot spares waiting warm (default 0: the survivors shrink)")
+    p.add_argument("--nccl-emulated", action="store_true",
+                   help="run on resilient_nccl through the NCCL emulator (RESILIENT_COMM_NCCL_EMULATE=1)")
     p.add_argument("--compare-torchrun", action="store_true", help="also run it as a torchrun elastic restart")
     p.add_argument("--timeout", type=float, default=90.0, help="bound on each run, seconds (default 90)")
     a = p.parse_args(argv)
@@ -77,13 +83,17 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--nproc must be at least 2")
     if not 0 < a.kill_step < a.steps:
         p.error("--kill-step must be inside the run")
-    s = Settings(a.steps, a.kill_step, a.ckpt_every, a.step_ms, a.timeout)
+    backend = "resilient_nccl" if a.nccl_emulated else "resilient_tcp"
+    if a.nccl_emulated:
+        os.environ["RESILIENT_COMM_NCCL_EMULATE"] = "1"  # the launcher's workers inherit it
+    s = Settings(a.steps, a.kill_step, a.ckpt_every, a.step_ms, a.timeout, backend=backend)
     launcher_log = logging.getLogger("resilient_comm.launcher")
     launcher_log.addHandler(logging.StreamHandler(sys.stdout))
     launcher_log.handlers[-1].setFormatter(logging.Formatter("[resilient-run] %(message)s"))
     launcher_log.setLevel(logging.WARNING)
     victim = a.nproc // 2
-    print(f"{a.nproc} workers train a small MLP for {a.steps} steps under resilient-run (resilient_tcp, op timeout "
+    path = "resilient_nccl on the NCCL emulator" if a.nccl_emulated else "resilient_tcp"
+    print(f"{a.nproc} workers train a small MLP for {a.steps} steps under resilient-run ({path}, op timeout "
           f"{dist.default_pg_timeout.total_seconds() / 60:.0f} min: the default, never waited out); rank {victim} "
           f"SIGKILLs itself at the start of step {a.kill_step} ...", flush=True)
     runs: list[Run] = []

@@ -25,6 +25,10 @@ Matrices
            small and 3 MiB sizes: ring and rd at world size 3 (not a power of two), rd at 4
            and 6 (fewer cases), and ring at 4 with a 1000-byte pipelining chunk (fewer cases),
            so that it runs many chunks through its window of receive slots.
+  nccl     the same matrix on resilient_nccl with RESILIENT_COMM_NCCL_EMULATE=1 (CPU tensors on the
+           NCCL code path: stream-ordered launches, NCCL groups, the NCCL emulator's kernels), at
+           every world size 1-8, with 1 ms kernels at world size 2; int16 is data only there
+           (NCCL has no int16 reduction, which raises ValueError at the call: checked).
   p2p      a ~4 MiB isend/irecv exchange both ways at once, at world sizes 2 and 4, on fresh
            groups, back to back and with 20 ms between the isend and the irecv; it must finish
            well before the op timeout (it takes ~50 ms), not just eventually.
@@ -250,7 +254,8 @@ class Runner:
             err = resilient_comm.errored()
             if err is not None:
                 self.broken = True
-                self.record("group", f"resilient_tcp group failed, later cases skipped: {err.splitlines()[0]}")
+                first = str(err).splitlines()[0] if str(err) else type(err).__name__
+                self.record("group", f"the group failed, later cases skipped: {first}")
         finally:
             name, dt = fn.__name__, time.monotonic() - t0
             self.seconds[name] = self.seconds.get(name, 0.0) + dt
@@ -488,6 +493,16 @@ class Runner:
             return
         self.record(where, "all_reduce(int32, AVG) did not raise (gloo raises too)")
 
+    def data_only_reduction_raises(self, where: str, dtype: torch.dtype) -> None:
+        self.checks += 1
+        try:
+            dist.all_reduce(torch.ones(4, dtype=dtype))
+        except ValueError as e:
+            if "has no" not in str(e):
+                self.record(where, f"all_reduce({dtype}) raised an unclear ValueError: {e}")
+            return
+        self.record(where, f"all_reduce({dtype}) did not raise a ValueError at the call")
+
 
 def _matrix(run: Runner, cfg: dict) -> None:
     sizes = cfg["sizes"]
@@ -497,6 +512,8 @@ def _matrix(run: Runner, cfg: dict) -> None:
         dn = str(dtype).replace("torch.", "")
         for n in sizes:
             for coll in colls:
+                if coll in REDUCING and dtype in cfg.get("data_only_dtypes", ()):
+                    continue
                 if coll in REDUCING:
                     for op in _ops_for(dtype):
                         for kind in _kinds_for(dtype, op):
@@ -527,7 +544,7 @@ def _collectives_worker(ctx: WorkerContext, cfg: dict) -> dict:
     for k, v in cfg["env"].items():
         os.environ[k] = v  # read by the communicator when init creates it
     start = time.monotonic()
-    ctx.init("resilient_tcp", timeout_s=OP_TIMEOUT_S)
+    ctx.init(cfg.get("backend", "resilient_tcp"), timeout_s=OP_TIMEOUT_S)
     import datetime
 
     gloo = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=OP_TIMEOUT_S))
@@ -541,6 +558,8 @@ def _collectives_worker(ctx: WorkerContext, cfg: dict) -> dict:
         if cfg.get("extras"):
             run.run_case("barrier", run.barrier, 3)
             run.run_case("AVG on int32", run.avg_on_int_raises)
+        if cfg.get("data_only_dtypes"):
+            run.run_case("reduction of a data-only dtype", run.data_only_reduction_raises, cfg["data_only_dtypes"][0])
     except Exception:  # noqa: BLE001
         run.record("worker", "unexpected error:\n" + traceback.format_exc())
     dist.destroy_process_group(gloo)
@@ -598,7 +617,7 @@ def _run(cfg: dict, world_size: int, timeout_s: float) -> None:
         problems.extend(res.value["lines"])
         checks += res.value["checks"]
     assert not problems, (
-        f"{cfg['label']}: resilient_tcp differs from gloo in {len(problems)} place(s) "
+        f"{cfg['label']}: {cfg.get('backend', 'resilient_tcp')} differs from gloo in {len(problems)} place(s) "
         f"(wall {time.monotonic() - t0:.1f}s):\n" + "\n".join(problems)
     )
     assert checks > 0, "no comparison ran"
@@ -671,6 +690,29 @@ def test_forced_algorithm(algo: str, world_size: int, chunk: str | None) -> None
         "large": _large_forced() if world_size <= 4 and not chunk else _large_forced()[:3],
         "p2p": False,
         "extras": False,
+    }
+    _run(cfg, world_size, timeout_s=140)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_emulated_nccl_matrix(world_size: int) -> None:
+    """The reduced matrix on the NCCL code path (RESILIENT_COMM_NCCL_EMULATE=1), every world size
+    1-8; at 2 ranks every kernel lasts 1 ms, so results are read only once the stream got there."""
+    env = {"RESILIENT_COMM_NCCL_EMULATE": "1"}
+    if world_size == 2:
+        env["RESILIENT_COMM_NCCL_EMULATE_KERNEL_US"] = "1000"
+    cfg = {
+        "label": f"emulated nccl ws={world_size}",
+        "backend": "resilient_nccl",
+        "env": env,
+        "dtypes": REDUCED_DTYPES,
+        "data_only_dtypes": [torch.int16],
+        "sizes": [0, 1, 1023],
+        "collectives": REDUCING + MOVING,
+        "large": _large_all()[:1] + [c for c in _large_all() if c[0] != "all_reduce"],
+        "p2p": True,
+        "extras": True,
     }
     _run(cfg, world_size, timeout_s=140)
 

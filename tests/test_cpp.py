@@ -1,4 +1,5 @@
-"""Runs the C++ unit tests (tests/cpp: the NCCL communicator's state machine through FakeNccl)."""
+"""Runs the C++ unit tests (tests/cpp): the NCCL emulator's rules, the NCCL communicator on it, the NCCL
+ABI against the wheel's real nccl.h, the HCCL communicator on its fake, the TCP shrink."""
 
 from __future__ import annotations
 
@@ -24,3 +25,5 @@ def test_cpp_unit_tests() -> None:
     assert lines, out.stderr
     assert out.returncode == 0, out.stdout + out.stderr
     assert lines[-1].endswith(" 0 failed") and int(lines[-1].split()[0]) >= 10, lines[-1]
+    # setup.sh installs the nvidia-nccl wheel, so the ABI test must have been compiled in.
+    assert "[ OK ] nccl_abi_matches_the_real_nccl_h" in lines, "the NCCL ABI test did not run (no nccl.h found?)"

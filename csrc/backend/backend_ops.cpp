@@ -1,10 +1,20 @@
-// The collectives of ResilientBackend: argument checks (tensor_args.h), then one queued Body
-// per op that runs it on the communicator for the tensors' device. The queue, the worker and
-// the group's lifecycle are in resilient_backend.cpp.
+// The collectives of ResilientBackend: argument checks (tensor_args.h), then one Body per op that
+// runs it on the communicator for the tensors' device. The queue, the device launch, the worker
+// and the group's lifecycle are in resilient_backend.cpp.
+//
+// [Note: one body for host and device transports]
+// A body runs on the worker (TCP: each call returns when done) or inside a device
+// communicator's launch() (NCCL: each call only enqueues; see communicator.h). So every touch of
+// tensor data goes through c.onStream(): filling a flat buffer before the collective, copying
+// results out after it. Temporaries are allocated on the calling thread (Temps) and held by the
+// body, which a device op keeps until its end event has completed.
 #include <c10/util/Exception.h>
+
+#include <memory>
 
 #include "backend/resilient_backend.h"
 #include "backend/tensor_args.h"
+#include "common/check.h"
 
 namespace resilient_comm {
 
@@ -16,9 +26,49 @@ void* ptr(const at::Tensor& t) {
   return t.numel() == 0 ? nullptr : t.data_ptr();
 }
 
-// A flat buffer of `n` elements like `like`.
-at::Tensor flat(const at::Tensor& like, int64_t n) {
-  return at::empty({n}, like.options());
+// An op's temporaries: held for as long as the body that made them (see the Note above).
+class Temps {
+ public:
+  // A flat buffer of `n` elements like `like`.
+  at::Tensor flat(const at::Tensor& like, int64_t n) {
+    held_->push_back(at::empty({n}, like.options()));
+    return held_->back();
+  }
+
+ private:
+  std::shared_ptr<std::vector<at::Tensor>> held_ = std::make_shared<std::vector<at::Tensor>>();
+};
+
+std::vector<at::Tensor> flattened(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> views;
+  for (const at::Tensor& t : ts) {
+    views.push_back(t.reshape({-1}));
+  }
+  return views;
+}
+
+// On the op's stream: buf = the tensors, one after another.
+Status packInto(Communicator& c, const at::Tensor& buf, const std::vector<at::Tensor>& ts) {
+  return c.onStream([out = buf, views = flattened(ts)]() mutable { at::cat_out(out, views); });
+}
+
+// On the op's stream: each tensor = its slice of buf (element offsets `at`, or back to back).
+Status unpackFrom(Communicator& c, const at::Tensor& buf, const std::vector<at::Tensor>& ts) {
+  return c.onStream([buf, ts] {
+    int64_t off = 0;
+    for (const at::Tensor& t : ts) {
+      t.view({-1}).copy_(buf.narrow(0, off, t.numel()));
+      off += t.numel();
+    }
+  });
+}
+
+// PREMUL_SUM: scales `t` in place on the op's stream, before the sum.
+Status preScale(Communicator& c, const at::Tensor& t, const at::Tensor& factor) {
+  if (!factor.defined()) {
+    return Status::ok();
+  }
+  return c.onStream([t, factor] { t.mul_(factor); });
 }
 
 }  // namespace
@@ -30,11 +80,10 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::broadcast(std::vector<at::Tenso
   checkRank(site, opts.rootRank, size_, "root");
   auto comm = commFor(tensors, site.op);
   at::Tensor t = tensors[0];
-  DataType dt = toDataType(site, t.scalar_type());
+  Payload p = payload(t);
   int root = static_cast<int>(opts.rootRank);
-  return enqueue(comm, OpType::BROADCAST, site.op, tensors, opts.timeout, !opts.asyncOp, [t, dt, root](Communicator& c, const Deadline& dl) {
-    return c.broadcast(ptr(t), t.numel(), dt, root, dl);
-  });
+  return enqueue(comm, OpType::BROADCAST, site.op, tensors, opts.timeout, !opts.asyncOp,
+                 [t, p, root](Communicator& c, const Deadline& dl) { return c.broadcast(ptr(t), p.count, p.dt, root, dl); });
 }
 
 c10::intrusive_ptr<c10d::Work> ResilientBackend::allreduce(std::vector<at::Tensor>& tensors,
@@ -45,9 +94,12 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::allreduce(std::vector<at::Tenso
   at::Tensor t = tensors[0];
   DataType dt = toDataType(site, t.scalar_type());
   RedOp op = toRedOp(site, opts.reduceOp, t.scalar_type());
-  return enqueue(comm, OpType::ALLREDUCE, site.op, tensors, opts.timeout, !opts.asyncOp, [t, dt, op](Communicator& c, const Deadline& dl) {
-    return c.allReduce(ptr(t), t.numel(), dt, op, dl);
-  });
+  at::Tensor factor = preMulFactor(opts.reduceOp, t);
+  return enqueue(comm, OpType::ALLREDUCE, site.op, tensors, opts.timeout, !opts.asyncOp,
+                 [t, dt, op, factor](Communicator& c, const Deadline& dl) -> Status {
+                   RC_RETURN_IF_ERROR(preScale(c, t, factor));
+                   return c.allReduce(ptr(t), t.numel(), dt, op, dl);
+                 });
 }
 
 c10::intrusive_ptr<c10d::Work> ResilientBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
@@ -57,23 +109,21 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::allreduce_coalesced(std::vector
   auto comm = commFor(tensors, site.op);
   DataType dt = toDataType(site, tensors[0].scalar_type());
   RedOp op = toRedOp(site, opts.reduceOp, tensors[0].scalar_type());
+  at::Tensor factor = preMulFactor(opts.reduceOp, tensors[0]);
   std::vector<at::Tensor> ts = tensors;
-  return enqueue(comm, OpType::ALLREDUCE_COALESCED, site.op, tensors, opts.timeout, !opts.asyncOp, [ts, dt, op](Communicator& c, const Deadline& dl) {
-    std::vector<at::Tensor> views;
-    for (const at::Tensor& t : ts) {
-      views.push_back(t.reshape({-1}));
-    }
-    at::Tensor buf = at::cat(views);
-    Status st = c.allReduce(ptr(buf), buf.numel(), dt, op, dl);
-    if (st.isOk()) {
-      int64_t off = 0;
-      for (const at::Tensor& t : ts) {
-        t.view({-1}).copy_(buf.narrow(0, off, t.numel()));
-        off += t.numel();
-      }
-    }
-    return st;
-  });
+  Temps temps;
+  return enqueue(comm, OpType::ALLREDUCE_COALESCED, site.op, tensors, opts.timeout, !opts.asyncOp,
+                 [ts, dt, op, factor, temps](Communicator& c, const Deadline& dl) mutable -> Status {
+                   int64_t total = 0;
+                   for (const at::Tensor& t : ts) {
+                     total += t.numel();
+                   }
+                   at::Tensor buf = temps.flat(ts[0], total);
+                   RC_RETURN_IF_ERROR(packInto(c, buf, ts));
+                   RC_RETURN_IF_ERROR(preScale(c, buf, factor));
+                   RC_RETURN_IF_ERROR(c.allReduce(ptr(buf), buf.numel(), dt, op, dl));
+                   return unpackFrom(c, buf, ts);
+                 });
 }
 
 c10::intrusive_ptr<c10d::Work> ResilientBackend::reduce(std::vector<at::Tensor>& tensors,
@@ -85,10 +135,20 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::reduce(std::vector<at::Tensor>&
   at::Tensor t = tensors[0];
   DataType dt = toDataType(site, t.scalar_type());
   RedOp op = toRedOp(site, opts.reduceOp, t.scalar_type());
+  at::Tensor factor = preMulFactor(opts.reduceOp, t);
   int root = static_cast<int>(opts.rootRank);
-  return enqueue(comm, OpType::REDUCE, site.op, tensors, opts.timeout, !opts.asyncOp, [t, dt, op, root](Communicator& c, const Deadline& dl) {
-    return c.reduce(ptr(t), t.numel(), dt, op, root, dl);
-  });
+  Temps temps;
+  return enqueue(comm, OpType::REDUCE, site.op, tensors, opts.timeout, !opts.asyncOp,
+                 [t, dt, op, root, factor, temps](Communicator& c, const Deadline& dl) mutable -> Status {
+                   if (!factor.defined()) {
+                     return c.reduce(ptr(t), t.numel(), dt, op, root, dl);
+                   }
+                   // A non-root's input must stay as it was: scale a copy.
+                   at::Tensor buf = temps.flat(t, t.numel());
+                   RC_RETURN_IF_ERROR(c.onStream([buf, t, factor]() mutable { at::mul_out(buf, t.reshape({-1}), factor); }));
+                   RC_RETURN_IF_ERROR(c.reduce(ptr(buf), buf.numel(), dt, op, root, dl));
+                   return c.rank() == root ? unpackFrom(c, buf, {t}) : Status::ok();
+                 });
 }
 
 c10::intrusive_ptr<c10d::Work> ResilientBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -109,18 +169,15 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::allgather(std::vector<std::vect
   auto comm = commFor(inputs, site.op);
   at::Tensor in = inputs[0];
   std::vector<at::Tensor> outs = outputs[0];
-  DataType dt = toDataType(site, in.scalar_type());
+  Payload p = payload(in);
   int n = size_;
-  return enqueue(comm, OpType::ALLGATHER, site.op, outs, opts.timeout, !opts.asyncOp, [in, outs, dt, n](Communicator& c, const Deadline& dl) {
-    at::Tensor buf = flat(in, in.numel() * n);
-    Status st = c.allGather(ptr(in), ptr(buf), in.numel(), dt, dl);
-    if (st.isOk()) {
-      for (int i = 0; i < n; ++i) {
-        outs[i].view({-1}).copy_(buf.narrow(0, i * in.numel(), in.numel()));
-      }
-    }
-    return st;
-  });
+  Temps temps;
+  return enqueue(comm, OpType::ALLGATHER, site.op, outs, opts.timeout, !opts.asyncOp,
+                 [in, outs, p, n, temps](Communicator& c, const Deadline& dl) mutable -> Status {
+                   at::Tensor buf = temps.flat(in, in.numel() * n);
+                   RC_RETURN_IF_ERROR(c.allGather(ptr(in), ptr(buf), p.count, p.dt, dl));
+                   return unpackFrom(c, buf, outs);
+                 });
 }
 
 c10::intrusive_ptr<c10d::Work> ResilientBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -137,10 +194,9 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::_allgather_base(at::Tensor& out
   auto comm = commFor({input}, site.op);
   at::Tensor in = input;
   at::Tensor out = output;
-  DataType dt = toDataType(site, in.scalar_type());
-  return enqueue(comm, OpType::_ALLGATHER_BASE, site.op, {out}, opts.timeout, !opts.asyncOp, [in, out, dt](Communicator& c, const Deadline& dl) {
-    return c.allGather(ptr(in), ptr(out), in.numel(), dt, dl);
-  });
+  Payload p = payload(in);
+  return enqueue(comm, OpType::_ALLGATHER_BASE, site.op, {out}, opts.timeout, !opts.asyncOp,
+                 [in, out, p](Communicator& c, const Deadline& dl) { return c.allGather(ptr(in), ptr(out), p.count, p.dt, dl); });
 }
 
 c10::intrusive_ptr<c10d::Work> ResilientBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
@@ -153,27 +209,25 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::allgather_into_tensor_coalesced
     C10_THROW_ERROR(ValueError, site.prefix() + "got " + std::to_string(inputs.size()) + " inputs but " +
                                     std::to_string(outputs.size()) + " outputs");
   }
-  std::vector<DataType> dts;
+  std::vector<Payload> ps;
   for (size_t i = 0; i < inputs.size(); ++i) {
     checkSameDtype(site, outputs[i], inputs[i], "output", "input");
     if (outputs[i].numel() != inputs[i].numel() * size_) {
       C10_THROW_ERROR(ValueError, site.prefix() + "outputs[" + std::to_string(i) + "] must have world size x " +
                                       "inputs[" + std::to_string(i) + "] elements");
     }
-    dts.push_back(toDataType(site, inputs[i].scalar_type()));
+    ps.push_back(payload(inputs[i]));
   }
   auto comm = commFor(inputs, site.op);
   std::vector<at::Tensor> ins = inputs;
   std::vector<at::Tensor> outs = outputs;
-  return enqueue(comm, OpType::COALESCED, site.op, outs, opts.timeout, !opts.asyncOp, [ins, outs, dts](Communicator& c, const Deadline& dl) {
-    for (size_t i = 0; i < ins.size(); ++i) {
-      Status st = c.allGather(ptr(ins[i]), ptr(outs[i]), ins[i].numel(), dts[i], dl);
-      if (!st.isOk()) {
-        return st;
-      }
-    }
-    return Status::ok();
-  });
+  return enqueue(comm, OpType::COALESCED, site.op, outs, opts.timeout, !opts.asyncOp,
+                 [ins, outs, ps](Communicator& c, const Deadline& dl) -> Status {
+                   for (size_t i = 0; i < ins.size(); ++i) {
+                     RC_RETURN_IF_ERROR(c.allGather(ptr(ins[i]), ptr(outs[i]), ps[i].count, ps[i].dt, dl));
+                   }
+                   return Status::ok();
+                 });
 }
 
 c10::intrusive_ptr<c10d::Work> ResilientBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -201,18 +255,15 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::gather(std::vector<std::vector<
   }
   auto comm = commFor(inputs, site.op);
   at::Tensor in = inputs[0];
-  DataType dt = toDataType(site, in.scalar_type());
+  Payload p = payload(in);
   int n = size_;
-  return enqueue(comm, OpType::GATHER, site.op, outs, opts.timeout, !opts.asyncOp, [in, outs, dt, root, n](Communicator& c, const Deadline& dl) {
-    at::Tensor buf = outs.empty() ? at::Tensor() : flat(in, in.numel() * n);
-    Status st = c.gather(ptr(in), buf.defined() ? ptr(buf) : nullptr, in.numel(), dt, root, dl);
-    if (st.isOk()) {
-      for (size_t i = 0; i < outs.size(); ++i) {
-        outs[i].view({-1}).copy_(buf.narrow(0, static_cast<int64_t>(i) * in.numel(), in.numel()));
-      }
-    }
-    return st;
-  });
+  Temps temps;
+  return enqueue(comm, OpType::GATHER, site.op, outs, opts.timeout, !opts.asyncOp,
+                 [in, outs, p, root, n, temps](Communicator& c, const Deadline& dl) mutable -> Status {
+                   at::Tensor buf = outs.empty() ? at::Tensor() : temps.flat(in, in.numel() * n);
+                   RC_RETURN_IF_ERROR(c.gather(ptr(in), buf.defined() ? ptr(buf) : nullptr, p.count, p.dt, root, dl));
+                   return outs.empty() ? Status::ok() : unpackFrom(c, buf, outs);
+                 });
 }
 
 c10::intrusive_ptr<c10d::Work> ResilientBackend::scatter(std::vector<at::Tensor>& outputs,
@@ -240,18 +291,18 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::scatter(std::vector<at::Tensor>
   }
   auto comm = commFor(outputs, site.op);
   at::Tensor out = outputs[0];
-  DataType dt = toDataType(site, out.scalar_type());
-  return enqueue(comm, OpType::SCATTER, site.op, {out}, opts.timeout, !opts.asyncOp, [ins, out, dt, root](Communicator& c, const Deadline& dl) {
-    at::Tensor buf;
-    if (!ins.empty()) {
-      std::vector<at::Tensor> views;
-      for (const at::Tensor& t : ins) {
-        views.push_back(t.reshape({-1}));
-      }
-      buf = at::cat(views);
-    }
-    return c.scatter(buf.defined() ? ptr(buf) : nullptr, ptr(out), out.numel(), dt, root, dl);
-  });
+  Payload p = payload(out);
+  int n = size_;
+  Temps temps;
+  return enqueue(comm, OpType::SCATTER, site.op, {out}, opts.timeout, !opts.asyncOp,
+                 [ins, out, p, root, n, temps](Communicator& c, const Deadline& dl) mutable -> Status {
+                   at::Tensor buf;
+                   if (!ins.empty()) {
+                     buf = temps.flat(out, out.numel() * n);
+                     RC_RETURN_IF_ERROR(packInto(c, buf, ins));
+                   }
+                   return c.scatter(buf.defined() ? ptr(buf) : nullptr, ptr(out), p.count, p.dt, root, dl);
+                 });
 }
 
 c10::intrusive_ptr<c10d::Work> ResilientBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
@@ -273,14 +324,16 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::reduce_scatter(std::vector<at::
   std::vector<at::Tensor> ins = inputs[0];
   DataType dt = toDataType(site, out.scalar_type());
   RedOp op = toRedOp(site, opts.reduceOp, out.scalar_type());
-  return enqueue(comm, OpType::REDUCE_SCATTER, site.op, {out}, opts.timeout, !opts.asyncOp, [ins, out, dt, op](Communicator& c, const Deadline& dl) {
-    std::vector<at::Tensor> views;
-    for (const at::Tensor& t : ins) {
-      views.push_back(t.reshape({-1}));
-    }
-    at::Tensor buf = at::cat(views);
-    return c.reduceScatter(ptr(buf), ptr(out), out.numel(), dt, op, dl);
-  });
+  at::Tensor factor = preMulFactor(opts.reduceOp, out);
+  int n = size_;
+  Temps temps;
+  return enqueue(comm, OpType::REDUCE_SCATTER, site.op, {out}, opts.timeout, !opts.asyncOp,
+                 [ins, out, dt, op, factor, n, temps](Communicator& c, const Deadline& dl) mutable -> Status {
+                   at::Tensor buf = temps.flat(out, out.numel() * n);
+                   RC_RETURN_IF_ERROR(packInto(c, buf, ins));
+                   RC_RETURN_IF_ERROR(preScale(c, buf, factor));
+                   return c.reduceScatter(ptr(buf), ptr(out), out.numel(), dt, op, dl);
+                 });
 }
 
 c10::intrusive_ptr<c10d::Work> ResilientBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
@@ -299,9 +352,16 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::_reduce_scatter_base(at::Tensor
   at::Tensor out = output;
   DataType dt = toDataType(site, in.scalar_type());
   RedOp op = toRedOp(site, opts.reduceOp, in.scalar_type());
+  at::Tensor factor = preMulFactor(opts.reduceOp, in);
+  Temps temps;
   return enqueue(comm, OpType::_REDUCE_SCATTER_BASE, site.op, {out}, opts.timeout, !opts.asyncOp,
-                 [in, out, dt, op](Communicator& c, const Deadline& dl) {
-                   return c.reduceScatter(ptr(in), ptr(out), out.numel(), dt, op, dl);
+                 [in, out, dt, op, factor, temps](Communicator& c, const Deadline& dl) mutable -> Status {
+                   at::Tensor src = in;
+                   if (factor.defined()) {  // the input must stay as it was: scale a copy
+                     src = temps.flat(in, in.numel());
+                     RC_RETURN_IF_ERROR(c.onStream([src, in, factor]() mutable { at::mul_out(src, in.reshape({-1}), factor); }));
+                   }
+                   return c.reduceScatter(ptr(src), ptr(out), out.numel(), dt, op, dl);
                  });
 }
 
@@ -324,17 +384,22 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::reduce_scatter_tensor_coalesced
   auto comm = commFor(inputs, site.op);
   DataType dt = toDataType(site, inputs[0].scalar_type());
   RedOp op = toRedOp(site, opts.reduceOp, inputs[0].scalar_type());
+  at::Tensor factor = preMulFactor(opts.reduceOp, inputs[0]);
   std::vector<at::Tensor> ins = inputs;
   std::vector<at::Tensor> outs = outputs;
-  return enqueue(comm, OpType::COALESCED, site.op, outs, opts.timeout, !opts.asyncOp, [ins, outs, dt, op](Communicator& c, const Deadline& dl) {
-    for (size_t i = 0; i < ins.size(); ++i) {
-      Status st = c.reduceScatter(ptr(ins[i]), ptr(outs[i]), outs[i].numel(), dt, op, dl);
-      if (!st.isOk()) {
-        return st;
-      }
-    }
-    return Status::ok();
-  });
+  Temps temps;
+  return enqueue(comm, OpType::COALESCED, site.op, outs, opts.timeout, !opts.asyncOp,
+                 [ins, outs, dt, op, factor, temps](Communicator& c, const Deadline& dl) mutable -> Status {
+                   for (size_t i = 0; i < ins.size(); ++i) {
+                     at::Tensor src = ins[i];
+                     if (factor.defined()) {
+                       src = temps.flat(ins[i], ins[i].numel());
+                       RC_RETURN_IF_ERROR(c.onStream([src, in = ins[i], factor]() mutable { at::mul_out(src, in.reshape({-1}), factor); }));
+                     }
+                     RC_RETURN_IF_ERROR(c.reduceScatter(ptr(src), ptr(outs[i]), outs[i].numel(), dt, op, dl));
+                   }
+                   return Status::ok();
+                 });
 }
 
 c10::intrusive_ptr<c10d::Work> ResilientBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -345,6 +410,8 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::alltoall_base(at::Tensor& outpu
   checkSingle(site, {input}, "input");
   checkSingle(site, {output}, "output");
   checkSameDtype(site, output, input, "output", "input");
+  // Counts and displacements in the payload's units (bytes for a dtype carried as bytes).
+  const size_t unit = payload(input).perElement;
   auto layout = [&](const at::Tensor& t, const std::vector<int64_t>& splits, const char* what,
                     std::vector<size_t>* counts, std::vector<size_t>* displs) {
     int64_t rows = t.dim() == 0 ? 1 : t.size(0);
@@ -367,8 +434,8 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::alltoall_base(at::Tensor& outpu
       if (v < 0) {
         C10_THROW_ERROR(ValueError, site.prefix() + what + " split sizes must not be negative");
       }
-      displs->push_back(static_cast<size_t>(sum * rowElems));
-      counts->push_back(static_cast<size_t>(v * rowElems));
+      displs->push_back(static_cast<size_t>(sum * rowElems) * unit);
+      counts->push_back(static_cast<size_t>(v * rowElems) * unit);
       sum += v;
     }
     if (sum != rows) {
@@ -382,7 +449,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::alltoall_base(at::Tensor& outpu
   auto comm = commFor({input}, site.op);
   at::Tensor in = input;
   at::Tensor out = output;
-  DataType dt = toDataType(site, in.scalar_type());
+  DataType dt = payload(in).dt;
   return enqueue(comm, OpType::ALLTOALL_BASE, site.op, {out}, opts.timeout, !opts.asyncOp,
                  [in, out, dt, sc, sd, rc, rd](Communicator& c, const Deadline& dl) {
                    return c.allToAll(ptr(in), sc, sd, ptr(out), rc, rd, dt, dl);
@@ -401,36 +468,31 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::alltoall(std::vector<at::Tensor
   }
   checkSameDtype(site, outputs[0], inputs[0], "output", "input");
   auto comm = commFor(inputs, site.op);
+  const size_t unit = payload(inputs[0]).perElement;
   std::vector<size_t> sc, sd, rc, rd;
   size_t so = 0;
   size_t ro = 0;
   for (int i = 0; i < size_; ++i) {
-    sc.push_back(inputs[i].numel());
-    sd.push_back(so);
+    sc.push_back(inputs[i].numel() * unit);
+    sd.push_back(so * unit);
     so += inputs[i].numel();
-    rc.push_back(outputs[i].numel());
-    rd.push_back(ro);
+    rc.push_back(outputs[i].numel() * unit);
+    rd.push_back(ro * unit);
     ro += outputs[i].numel();
   }
-  DataType dt = toDataType(site, inputs[0].scalar_type());
+  DataType dt = payload(inputs[0]).dt;
   std::vector<at::Tensor> ins = inputs;
   std::vector<at::Tensor> outs = outputs;
   int64_t total = static_cast<int64_t>(ro);
+  int64_t sent = static_cast<int64_t>(so);
+  Temps temps;
   return enqueue(comm, OpType::ALLTOALL, site.op, outs, opts.timeout, !opts.asyncOp,
-                 [ins, outs, dt, sc, sd, rc, rd, total](Communicator& c, const Deadline& dl) {
-                   std::vector<at::Tensor> views;
-                   for (const at::Tensor& t : ins) {
-                     views.push_back(t.reshape({-1}));
-                   }
-                   at::Tensor sendBuf = at::cat(views);
-                   at::Tensor recvBuf = flat(outs[0], total);
-                   Status st = c.allToAll(ptr(sendBuf), sc, sd, ptr(recvBuf), rc, rd, dt, dl);
-                   if (st.isOk()) {
-                     for (size_t i = 0; i < outs.size(); ++i) {
-                       outs[i].view({-1}).copy_(recvBuf.narrow(0, rd[i], rc[i]));
-                     }
-                   }
-                   return st;
+                 [ins, outs, dt, sc, sd, rc, rd, total, sent, temps](Communicator& c, const Deadline& dl) mutable -> Status {
+                   at::Tensor sendBuf = temps.flat(ins[0], sent);
+                   RC_RETURN_IF_ERROR(packInto(c, sendBuf, ins));
+                   at::Tensor recvBuf = temps.flat(outs[0], total);
+                   RC_RETURN_IF_ERROR(c.allToAll(ptr(sendBuf), sc, sd, ptr(recvBuf), rc, rd, dt, dl));
+                   return unpackFrom(c, recvBuf, outs);
                  });
 }
 
@@ -442,9 +504,9 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::send(std::vector<at::Tensor>& t
     C10_THROW_ERROR(ValueError, site.prefix() + "cannot send to itself");
   }
   auto comm = commFor(tensors, site.op);
-  toDataType(site, tensors[0].scalar_type());
   const at::Tensor& t = tensors[0];
-  return enqueueP2P(comm, OpType::SEND, site.op, t, P2POp{P2POp::Kind::kSend, dstRank, ptr(t), t.nbytes(), static_cast<uint64_t>(tag)});
+  return enqueueP2P(comm, OpType::SEND, site.op, t,
+                    P2POp{P2POp::Kind::kSend, dstRank, ptr(t), t.nbytes(), static_cast<uint64_t>(tag)});
 }
 
 c10::intrusive_ptr<c10d::Work> ResilientBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
@@ -455,19 +517,25 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::recv(std::vector<at::Tensor>& t
     C10_THROW_ERROR(ValueError, site.prefix() + "cannot receive from itself");
   }
   auto comm = commFor(tensors, site.op);
-  toDataType(site, tensors[0].scalar_type());
   const at::Tensor& t = tensors[0];
-  return enqueueP2P(comm, OpType::RECV, site.op, t, P2POp{P2POp::Kind::kRecv, srcRank, ptr(t), t.nbytes(), static_cast<uint64_t>(tag)});
+  return enqueueP2P(comm, OpType::RECV, site.op, t,
+                    P2POp{P2POp::Kind::kRecv, srcRank, ptr(t), t.nbytes(), static_cast<uint64_t>(tag)});
+}
+
+// On the device communicator when the group has one (or emulates one), as ProcessGroupNCCL's
+// barrier is a one-element all_reduce on the device; its wait() blocks the host.
+c10::intrusive_ptr<c10d::Work> ResilientBackend::barrier(const c10d::BarrierOptions& opts) {
+  auto body = [](Communicator& c, const Deadline& dl) { return c.barrier(dl); };
+  std::shared_ptr<Communicator> device = emulate_ ? deviceCommFor(at::Device(at::kCPU), "barrier") : deviceComm();
+  if (device) {
+    return launchOnDevice(device, OpType::BARRIER, "barrier", {}, opts.timeout, body, /*hostWaits=*/true);
+  }
+  return enqueue(cpu_, OpType::BARRIER, "barrier", {}, opts.timeout, !opts.asyncOp, body);
 }
 
 c10::intrusive_ptr<c10d::Work> ResilientBackend::recvAnysource(std::vector<at::Tensor>&, int) {
   OpSite site{opts_.backendName, opts_.groupName, rank_, "recv"};
   C10_THROW_ERROR(ValueError, site.prefix() + "receiving from any source is not supported; pass src");
-}
-
-c10::intrusive_ptr<c10d::Work> ResilientBackend::barrier(const c10d::BarrierOptions& opts) {
-  return enqueue(cpu_, OpType::BARRIER, "barrier", {}, opts.timeout, !opts.asyncOp,
-                 [](Communicator& c, const Deadline& dl) { return c.barrier(dl); });
 }
 
 }  // namespace resilient_comm

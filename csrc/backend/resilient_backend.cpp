@@ -11,12 +11,14 @@
 #include <numeric>
 
 #include "backend/tensor_args.h"
-#include "common/env.h"
-#include "watchdog/reaper.h"
 #include "common/check.h"
+#include "common/env.h"
+#include "device/emulated_device.h"
 #include "transport/hccl/hccl_communicator.h"
+#include "transport/nccl/emulator/nccl_emulator.h"
 #include "transport/nccl/nccl_communicator.h"
 #include "transport/tcp/tcp_communicator.h"
+#include "watchdog/reaper.h"
 
 namespace resilient_comm {
 
@@ -24,16 +26,37 @@ namespace {
 
 using c10d::OpType;
 
+std::chrono::milliseconds abortBound() {
+  static const std::chrono::milliseconds bound(env::getInt(env::Knob::kAbortBoundMs));
+  return bound;
+}
+
 // Aborts `comm` through the Reaper: bounded even if the transport's abort blocks.
 void abortComm(const std::shared_ptr<Communicator>& comm, const std::string& why) {
-  static const std::chrono::milliseconds bound(env::getInt(env::Knob::kAbortBoundMs));
-  Reaper::run([comm, why] { comm->abort(why); }, bound, "abort of group '" + comm->name() + "'");
+  Reaper::run([comm, why] { comm->abort(why); }, abortBound(), "abort of group '" + comm->name() + "'");
+}
+
+// The same from the watchdog's thread, which must not wait for it at all.
+void abortCommNoWait(const std::shared_ptr<Communicator>& comm, const std::string& why) {
+  Reaper::start([comm, why] { comm->abort(why); }, abortBound(), "abort of group '" + comm->name() + "'");
+}
+
+bool emulating(const std::string& backendName) {
+  return backendName == "resilient_nccl" && nccl::emulationRequested();
+}
+
+// The devices a device op's Future records its events on: none for host tensors.
+std::vector<c10::Device> futureDevices(const std::vector<at::Tensor>& outputs) {
+  if (outputs.empty() || outputs.front().device().is_cpu()) {
+    return {};
+  }
+  return {outputs.front().device()};
 }
 
 }  // namespace
 
 ResilientBackend::ResilientBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size, BackendOptions opts)
-    : c10d::Backend(rank, size), opts_(std::move(opts)), timeout_(opts_.timeout) {
+    : c10d::Backend(rank, size), opts_(std::move(opts)), timeout_(opts_.timeout), emulate_(emulating(opts_.backendName)) {
   store_ = store;
   tcp::TcpOptions t;
   t.name = opts_.groupName;
@@ -46,7 +69,11 @@ ResilientBackend::ResilientBackend(c10::intrusive_ptr<c10d::Store> store, int ra
 }
 
 ResilientBackend::ResilientBackend(std::shared_ptr<Communicator> comm, BackendOptions opts)
-    : c10d::Backend(comm->rank(), comm->size()), opts_(std::move(opts)), timeout_(opts_.timeout), cpu_(std::move(comm)) {
+    : c10d::Backend(comm->rank(), comm->size()),
+      opts_(std::move(opts)),
+      timeout_(opts_.timeout),
+      cpu_(std::move(comm)),
+      emulate_(emulating(opts_.backendName)) {
   startWorker();
 }
 
@@ -176,7 +203,7 @@ c10::intrusive_ptr<c10d::Backend::Options> ResilientBackend::getBackendOptions()
 }
 
 c10d::ErrorType ResilientBackend::getError() {
-  Status st = cpu_->error();
+  Status st = commError();
   switch (st.code()) {
     case StatusCode::kOk:
       return c10d::ErrorType::SUCCESS;
@@ -206,11 +233,21 @@ void ResilientBackend::abortWithReason(const std::string& reason) {
 }
 
 Status ResilientBackend::commError() const {
-  return cpu_->error();
+  Status st = cpu_->error();
+  if (!st.isOk()) {
+    return st;
+  }
+  std::shared_ptr<Communicator> device = deviceComm();
+  return device ? device->error() : st;
+}
+
+std::shared_ptr<Communicator> ResilientBackend::deviceComm() const {
+  std::lock_guard<std::mutex> lock(const_cast<std::mutex&>(mu_));
+  return device_;
 }
 
 std::optional<CommErrorInfo> ResilientBackend::errorInfo() const {
-  Status st = cpu_->error();
+  Status st = commError();
   if (st.isOk()) {
     return std::nullopt;
   }
@@ -275,11 +312,15 @@ uint64_t ResilientBackend::getSequenceNumberForGroup() {
 
 std::shared_ptr<Communicator> ResilientBackend::commFor(const std::vector<at::Tensor>& tensors, const char* op) {
   const at::Device dev = tensors.front().device();
-  if (dev.is_cpu()) {
+  if (dev.is_cpu() && !emulate_) {
     return cpu_;
   }
+  return deviceCommFor(dev, op);
+}
+
+std::shared_ptr<Communicator> ResilientBackend::deviceCommFor(const at::Device& dev, const char* op) {
   OpSite site{opts_.backendName, opts_.groupName, rank_, op};
-  const bool cuda = dev.is_cuda() && opts_.backendName == "resilient_nccl";
+  const bool cuda = (dev.is_cuda() || (dev.is_cpu() && emulate_)) && opts_.backendName == "resilient_nccl";
   const bool npu = dev.type() == c10::DeviceType::PrivateUse1 && opts_.backendName == "resilient_hccl";
   if (!cuda && !npu) {
     const char* carries = opts_.backendName == "resilient_nccl"   ? "CPU and CUDA"
@@ -307,9 +348,14 @@ std::shared_ptr<Communicator> ResilientBackend::commFor(const std::vector<at::Te
 
 Result<std::shared_ptr<Communicator>> ResilientBackend::makeNccl(const at::Device& dev) {
   std::shared_ptr<nccl::NcclApi> api;
-  RC_ASSIGN_OR_RETURN(api, nccl::loadNccl({}));
-  std::shared_ptr<nccl::StreamOps> streams;
-  RC_ASSIGN_OR_RETURN(streams, nccl::makeDeviceStreamOps("cuda", dev.index()));
+  std::shared_ptr<device::StreamOps> streams;
+  if (dev.is_cpu()) {  // emulating: CPU tensors on the NCCL code path
+    api = nccl::processEmulator();
+    streams = device::emu::makeEmulatedStreamOps(0);
+  } else {
+    RC_ASSIGN_OR_RETURN(api, nccl::loadNccl({}));
+    RC_ASSIGN_OR_RETURN(streams, device::makeDeviceStreamOps("cuda", dev.index()));
+  }
   nccl::NcclOptions o{opts_.groupName, store_, "resilient_comm_nccl/" + opts_.groupName + "/", rank_, size_};
   std::shared_ptr<nccl::NcclCommunicator> comm;
   RC_ASSIGN_OR_RETURN(comm, nccl::NcclCommunicator::create(api, streams, std::move(o), Deadline::after(timeout_)));
@@ -329,12 +375,19 @@ CommErrorInfo ResilientBackend::site(const char* op) const {
   return info;
 }
 
+c10::intrusive_ptr<ResilientWork> ResilientBackend::makeWork(const std::shared_ptr<Communicator>& comm, OpType type,
+                                                             const char* opName, std::vector<at::Tensor> outputs) {
+  std::vector<c10::Device> devices = comm->streamOrdered() ? futureDevices(outputs) : std::vector<c10::Device>{};
+  return c10::make_intrusive<ResilientWork>(site(opName), type, std::move(outputs),
+                                            [comm](const std::string& why) { abortComm(comm, why); },
+                                            std::move(devices));
+}
+
 c10::intrusive_ptr<c10d::Work> ResilientBackend::push(std::shared_ptr<Communicator> comm, OpType type,
                                                       const char* opName, std::vector<at::Tensor> outputs,
                                                       std::chrono::milliseconds timeout, bool mayRunInline, Body body,
                                                       std::optional<P2POp> p2p) {
-  auto work = c10::make_intrusive<ResilientWork>(site(opName), type, std::move(outputs),
-                                                 [comm](const std::string& why) { abortComm(comm, why); });
+  auto work = makeWork(comm, type, opName, std::move(outputs));
   std::unique_lock<std::mutex> lock(mu_);
   if (timeout.count() < 0) {
     timeout = timeout_;
@@ -349,9 +402,13 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::push(std::shared_ptr<Communicat
                     " ms (watchdog)";
   Watchdog::Id id = Watchdog::instance().watch(dl, [work, comm, why] {
     work->complete(Status(StatusCode::kTimeout, why));
-    abortComm(comm, why);
+    abortCommNoWait(comm, why);
   });
   Task task{comm, work, dl, std::move(body), p2p, id};
+  if (coalescing_) {
+    coalescedHost_.push_back(std::move(task));  // run together at endCoalescing()
+    return work;
+  }
   if (p2p && p2pRunning_ && queue_.empty() && comm == p2pComm_) {
     p2pJoin_.push_back(std::move(task));
     lock.unlock();
@@ -394,12 +451,21 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::enqueue(std::shared_ptr<Communi
                                                          const char* opName, std::vector<at::Tensor> outputs,
                                                          std::chrono::milliseconds timeout, bool mayRunInline,
                                                          Body body) {
+  if (comm->streamOrdered()) {
+    return launchOnDevice(std::move(comm), type, opName, std::move(outputs), timeout, std::move(body),
+                          /*hostWaits=*/false);
+  }
   return push(std::move(comm), type, opName, std::move(outputs), timeout, mayRunInline, std::move(body),
               std::nullopt);
 }
 
 c10::intrusive_ptr<c10d::Work> ResilientBackend::enqueueP2P(std::shared_ptr<Communicator> comm, OpType type,
                                                             const char* opName, const at::Tensor& t, P2POp op) {
+  if (comm->streamOrdered()) {  // one NCCL group; batch_isend_irecv groups several (coalescing)
+    return launchOnDevice(std::move(comm), type, opName, {t}, c10d::kUnsetTimeout,
+                          [t, op](Communicator& c, const Deadline& dl) { return c.sendRecv({op}, dl); },
+                          /*hostWaits=*/false);
+  }
   // The tensor stays alive through the Work's outputs until the op completes.
   return push(std::move(comm), type, opName, {t}, c10d::kUnsetTimeout, false, nullptr, op);
 }
@@ -443,6 +509,178 @@ void ResilientBackend::runP2PGroup(std::vector<Task>& group) {
   for (Task& t : group) {
     finishTask(t, st);
   }
+}
+
+// [Note: device ops run on the caller's thread]
+// As in ProcessGroupNCCL, a device op is launched where it is called, so that it follows the
+// caller's current stream at the time of the call (a worker thread has streams of its own):
+// launch() makes the communicator's stream wait for it, enqueues the op, and returns it in
+// flight. The body (whose captures hold the op's tensors, and its temporaries through Temps)
+// is kept by the PendingOp until the end event completes, even when the Work is dropped or
+// the op fails first.
+c10::intrusive_ptr<c10d::Work> ResilientBackend::launchOnDevice(std::shared_ptr<Communicator> comm, OpType type,
+                                                                const char* opName, std::vector<at::Tensor> outputs,
+                                                                std::chrono::milliseconds timeout, Body body,
+                                                                bool hostWaits,
+                                                                std::vector<c10::intrusive_ptr<ResilientWork>> followers) {
+  auto work = makeWork(comm, type, opName, outputs);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (timeout.count() < 0) {
+      timeout = timeout_;
+    }
+    if (coalescing_) {
+      coalescedDevice_.push_back(DeviceOp{comm, work, std::move(outputs), timeout, std::move(body)});
+      return work;
+    }
+    if (stopping_) {
+      work->complete(Status(StatusCode::kAborted, "process group " + opts_.groupName + " was shut down"));
+      return work;
+    }
+  }
+  const Deadline dl = Deadline::after(timeout);
+  work->setSeq(comm->nextSeq());
+  auto keep = std::make_shared<Body>(std::move(body));
+  Result<std::shared_ptr<PendingOp>> op = Status(StatusCode::kInternal, "not launched");
+  try {
+    op = comm->launch(opName, dl, keep, [&] { return (*keep)(*comm, dl); });
+  } catch (const std::exception& e) {
+    op = Status(StatusCode::kInternal, e.what());
+  }
+  followers.push_back(work);
+  if (!op.isOk()) {
+    for (auto& w : followers) {
+      w->complete(op.status());
+    }
+    if (op.status().code() == StatusCode::kInvalidArgument) {  // refused before anything was enqueued
+      OpSite at{opts_.backendName, opts_.groupName, rank_, opName};
+      C10_THROW_ERROR(ValueError, at.prefix() + op.status().message());
+    }
+    return work;
+  }
+  std::string why = std::string(opName) + " did not finish within " + std::to_string(timeout.count()) +
+                    " ms (watchdog)";
+  Watchdog::Id id = Watchdog::instance().watch(dl, [followers, comm, why] {
+    for (auto& w : followers) {
+      w->complete(Status(StatusCode::kTimeout, why));
+    }
+    abortCommNoWait(comm, why);
+  });
+  for (auto& w : followers) {
+    w->attach(op.value(), hostWaits);
+  }
+  op.value()->onDone([followers, id](const Status& st) {
+    Watchdog::instance().unwatch(id);
+    for (auto& w : followers) {
+      w->complete(st);
+    }
+  });
+  // The Futures are ready where the op's consumers run: on a device at once, with the stream's
+  // events; on an emulated device when its stream gets past the op.
+  Status marked = comm->onStream([followers] {
+    for (auto& w : followers) {
+      w->markFutureReady();
+    }
+  });
+  if (!marked.isOk()) {
+    op.value()->fail(marked);
+  }
+  return work;
+}
+
+void ResilientBackend::startCoalescing() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (coalescing_) {
+    C10_THROW_ERROR(ValueError, opts_.backendName + " group '" + opts_.groupName +
+                                    "': startCoalescing called twice without endCoalescing");
+  }
+  coalescing_ = true;
+}
+
+c10::intrusive_ptr<c10d::Work> ResilientBackend::endCoalescing() {
+  std::vector<Task> host;
+  std::vector<DeviceOp> device;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!coalescing_) {
+      C10_THROW_ERROR(ValueError, opts_.backendName + " group '" + opts_.groupName +
+                                      "': endCoalescing without startCoalescing");
+    }
+    coalescing_ = false;
+    host.swap(coalescedHost_);
+    device.swap(coalescedDevice_);
+  }
+  if (!device.empty()) {
+    if (!host.empty() || std::any_of(device.begin(), device.end(), [&](const DeviceOp& d) { return d.comm != device.front().comm; })) {
+      Status mixed(StatusCode::kInvalidArgument, "coalesced ops on tensors of different devices");
+      for (Task& t : host) {
+        finishTask(t, mixed);
+      }
+      for (DeviceOp& d : device) {
+        d.work->complete(mixed);
+      }
+      C10_THROW_ERROR(ValueError, opts_.backendName + " group '" + opts_.groupName + "': " + mixed.message());
+    }
+    // One launch, so one NCCL group: the ops' bodies in call order.
+    auto bodies = std::make_shared<std::vector<Body>>();
+    std::vector<at::Tensor> outputs;
+    std::vector<c10::intrusive_ptr<ResilientWork>> followers;
+    std::chrono::milliseconds timeout = device.front().timeout;
+    for (DeviceOp& d : device) {
+      bodies->push_back(std::move(d.body));
+      outputs.insert(outputs.end(), d.outputs.begin(), d.outputs.end());
+      followers.push_back(d.work);
+      timeout = std::min(timeout, d.timeout);
+    }
+    return launchOnDevice(
+        device.front().comm, OpType::COALESCED, "coalesced", std::move(outputs), timeout,
+        [bodies](Communicator& c, const Deadline& dl) -> Status {
+          for (Body& b : *bodies) {
+            RC_RETURN_IF_ERROR(b(c, dl));
+          }
+          return Status::ok();
+        },
+        /*hostWaits=*/false, std::move(followers));
+  }
+  auto all = makeWork(cpu_, OpType::COALESCED, "coalesced", {});
+  if (host.empty()) {
+    all->complete(Status::ok());
+    return all;
+  }
+  // Queued together, so the worker runs the send/recv among them as one group; `all` completes
+  // with the last of them (with the first error, if any).
+  struct Count {
+    std::mutex mu;
+    size_t left;
+    Status first;
+  };
+  auto count = std::make_shared<Count>();
+  count->left = host.size();
+  for (Task& t : host) {
+    t.work->getFuture()->addCallback([count, all](c10::ivalue::Future& f) {
+      std::lock_guard<std::mutex> lock(count->mu);
+      if (f.hasError() && count->first.isOk()) {
+        try {
+          std::rethrow_exception(f.exception_ptr());
+        } catch (const CommException& e) {
+          count->first = Status(e.info().code, e.info().cause);
+        } catch (const std::exception& e) {
+          count->first = Status(StatusCode::kInternal, e.what());
+        }
+      }
+      if (--count->left == 0) {
+        all->complete(count->first);
+      }
+    });
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (Task& t : host) {
+      queue_.push_back(std::move(t));
+    }
+  }
+  cv_.notify_one();
+  return all;
 }
 
 void ResilientBackend::workerLoop() {

@@ -1,15 +1,26 @@
 // ResilientBackend: the c10d::Backend behind "resilient_tcp" and "resilient_nccl".
 //
 // Every collective torch dispatches is checked here (tensor lists, dtypes, devices,
-// contiguity, reduction ops) and then queued, in call order, on this backend's worker thread,
-// which runs it on the communicator with a deadline of the op's timeout measured from the
-// call. A synchronous op (async_op=False) on an idle group runs on the calling thread instead
-// (same order, two thread hand-offs fewer). The Work returned completes when the op does; its
-// error is the communicator's Status turned into a CommException (see comm_error.h).
+// contiguity, reduction ops) and then run with a deadline of the op's timeout measured from
+// the call:
+// - on a host communicator (TCP), queued in call order on this backend's worker thread; a
+//   synchronous op (async_op=False) on an idle group runs on the calling thread instead (same
+//   order, two thread hand-offs fewer). The Work completes when the op does.
+// - on a device communicator (NCCL), launched on the calling thread, async ops included, as
+//   ProcessGroupNCCL does: the op follows the caller's current stream at the call and is in
+//   flight when the Work is returned (resilient_work.h); several may be in flight.
+// A Work's error is the communicator's Status turned into a CommException (see comm_error.h).
+// Ops issued between startCoalescing() and endCoalescing() (batch_isend_irecv) run together
+// at the end: as one NCCL group on a device, as one send/recv group on the worker.
 //
-// Threads: any Python thread may issue ops (they are serialised by the queue); abort() may be
-// called from any thread and returns at once; the destructor drains nothing: it aborts
-// pending ops if the communicator is unhealthy, then joins the worker.
+// With RESILIENT_COMM_NCCL_EMULATE=1, resilient_nccl sends CPU tensors through its NCCL
+// communicator on the NCCL emulator (transport/nccl/emulator) instead of TCP, so the whole
+// stack runs on the NCCL code path without a GPU.
+//
+// Threads: any Python thread may issue ops (host ops are serialised by the queue, device ops by
+// the calling threads, as with ProcessGroupNCCL); abort() may be called from any thread and
+// returns at once; the destructor drains nothing: it aborts pending ops if the communicator is
+// unhealthy, then joins the worker.
 #pragma once
 
 #include <condition_variable>
@@ -55,6 +66,11 @@ class ResilientBackend : public c10d::Backend {
   bool supportsSplitting() const override {
     return true;
   }
+  bool supportsCoalescing() const override {
+    return true;
+  }
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
   // Survivors only. shrinkFlags & 1 (SHRINK_ABORT), or a failed group, aborts this group first.
   c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
                                            const c10::intrusive_ptr<Options>& optsOverride) override;
@@ -83,15 +99,18 @@ class ResilientBackend : public c10d::Backend {
   // Aborts with a reason (the Python API's resilient_comm.abort()); returns within
   // RESILIENT_COMM_ABORT_BOUND_MS even if the transport's abort blocks (see reaper.h).
   void abortWithReason(const std::string& reason);
-  // The group's first error as a CommErrorInfo, or nullopt while it is healthy.
+  // The group's first error (its host or its device communicator's) as a CommErrorInfo, or
+  // nullopt while it is healthy.
   std::optional<CommErrorInfo> errorInfo() const;
   // Barrier that names the ranks which did not arrive by the deadline (rank 0 collects).
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override;
-  // The communicator's first error, or Ok.
+  // The first error of the group's communicators (host, then device), or Ok.
   Status commError() const;
   std::shared_ptr<Communicator> cpuComm() const {
     return cpu_;
   }
+  // The device communicator, if one was made (for tests).
+  std::shared_ptr<Communicator> deviceComm() const;
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
@@ -135,8 +154,9 @@ class ResilientBackend : public c10d::Backend {
  private:
   using Body = std::function<Status(Communicator&, const Deadline&)>;
 
-  // Queues `body` on the worker; the Work completes with its Status. A synchronous op
-  // (mayRunInline) on an idle group runs on the calling thread instead.
+  // Runs `body` on `comm`: launched on a device communicator, else queued on the worker (a
+  // synchronous op, mayRunInline, on an idle group runs on the calling thread instead). The
+  // Work completes with its Status.
   c10::intrusive_ptr<c10d::Work> enqueue(std::shared_ptr<Communicator> comm, c10d::OpType type, const char* opName,
                                          std::vector<at::Tensor> outputs, std::chrono::milliseconds timeout,
                                          bool mayRunInline, Body body);
@@ -144,6 +164,8 @@ class ResilientBackend : public c10d::Backend {
   // (resilient_nccl) an NCCL communicator, for NPU tensors (resilient_hccl) an HCCL one,
   // made on first use for that device.
   std::shared_ptr<Communicator> commFor(const std::vector<at::Tensor>& tensors, const char* op);
+  // The device communicator for `dev`, made on first use (for CPU tensors when emulating).
+  std::shared_ptr<Communicator> deviceCommFor(const at::Device& dev, const char* op);
   Result<std::shared_ptr<Communicator>> makeNccl(const at::Device& dev);
   Result<std::shared_ptr<Communicator>> makeHccl(const at::Device& dev);
   void workerLoop();
@@ -178,6 +200,22 @@ class ResilientBackend : public c10d::Backend {
                                       std::vector<at::Tensor> outputs, std::chrono::milliseconds timeout,
                                       bool mayRunInline, Body body, std::optional<P2POp> p2p);
   void runTask(Task& task);
+  c10::intrusive_ptr<ResilientWork> makeWork(const std::shared_ptr<Communicator>& comm, c10d::OpType type,
+                                             const char* opName, std::vector<at::Tensor> outputs);
+  // A device communicator's op: launched now (see the class comment), or kept for
+  // endCoalescing(). `followers` complete with it (the ops of a coalesced group).
+  c10::intrusive_ptr<c10d::Work> launchOnDevice(std::shared_ptr<Communicator> comm, c10d::OpType type,
+                                                const char* opName, std::vector<at::Tensor> outputs,
+                                                std::chrono::milliseconds timeout, Body body, bool hostWaits,
+                                                std::vector<c10::intrusive_ptr<ResilientWork>> followers = {});
+  // A device op issued while coalescing.
+  struct DeviceOp {
+    std::shared_ptr<Communicator> comm;
+    c10::intrusive_ptr<ResilientWork> work;
+    std::vector<at::Tensor> outputs;
+    std::chrono::milliseconds timeout;
+    Body body;
+  };
   void startWorker();
   void finishTask(Task& task, const Status& st);
   void runP2PGroup(std::vector<Task>& group);
@@ -193,6 +231,10 @@ class ResilientBackend : public c10d::Backend {
   int p2pWake_ = -1;            // eventfd: wakes the running group for p2pJoin_
   uint64_t enqueued_ = 0;
   std::thread worker_;
+  bool emulate_ = false;  // RESILIENT_COMM_NCCL_EMULATE=1 on resilient_nccl
+  bool coalescing_ = false;                  // between startCoalescing and endCoalescing; guarded by mu_
+  std::vector<Task> coalescedHost_;          // guarded by mu_
+  std::vector<DeviceOp> coalescedDevice_;    // guarded by mu_
 };
 
 }  // namespace resilient_comm

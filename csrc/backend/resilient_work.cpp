@@ -1,16 +1,30 @@
 #include "backend/resilient_work.h"
 
+#include "common/env.h"
+
 namespace resilient_comm {
 
 ResilientWork::ResilientWork(CommErrorInfo site, c10d::OpType opType, std::vector<at::Tensor> outputs,
-                             std::function<void(const std::string&)> abortComm)
+                             std::function<void(const std::string&)> abortComm, std::vector<c10::Device> devices)
     : c10d::Work(site.rank, opType),
       site_(std::move(site)),
       outputs_(std::move(outputs)),
       abortComm_(std::move(abortComm)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                       std::move(devices))) {}
+
+void ResilientWork::attach(std::shared_ptr<PendingOp> op, bool hostWaits) {
+  op_ = std::move(op);
+  hostWaits_ = hostWaits || env::getString(env::Knob::kBlockingWait) == "1";
+}
 
 bool ResilientWork::isCompleted() {
+  if (op_) {
+    Status st = op_->poll();
+    if (st.code() != StatusCode::kInProgress) {
+      complete(st);
+    }
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   return completed_;
 }
@@ -39,7 +53,42 @@ void ResilientWork::setSeq(uint64_t seq) {
   site_.seq = seq;
 }
 
+void ResilientWork::raiseIfFailed() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (exception_) {
+    std::rethrow_exception(exception_);
+  }
+}
+
+void ResilientWork::hostWait(std::chrono::milliseconds timeout) {
+  Deadline dl = timeout == kNoTimeout ? Deadline::never() : Deadline::after(timeout);
+  Status st = op_->hostWait(dl, nullptr);
+  if (st.code() == StatusCode::kTimeout && op_->outcome().code() == StatusCode::kInProgress) {
+    std::string why = "Work.wait(timeout=" + std::to_string(timeout.count()) +
+                      " ms) expired before the op finished; the group was aborted";
+    complete(Status(StatusCode::kTimeout, why));
+    abortComm_(why);
+    return;
+  }
+  complete(st);
+}
+
 bool ResilientWork::wait(std::chrono::milliseconds timeout) {
+  if (op_) {
+    raiseIfFailed();
+    if (!hostWaits_) {
+      Result<bool> ordered = op_->blockCurrentStream();
+      if (!ordered.isOk()) {
+        complete(ordered.status());
+      } else if (ordered.value()) {
+        raiseIfFailed();
+        return true;  // the caller's stream waits for the op; the host does not
+      }
+    }
+    hostWait(timeout);
+    raiseIfFailed();
+    return true;
+  }
   {
     std::unique_lock<std::mutex> lock(mutex_);
     bool done = timeout == kNoTimeout ? (cv_.wait(lock, [this] { return completed_; }), true)
@@ -55,8 +104,27 @@ bool ResilientWork::wait(std::chrono::milliseconds timeout) {
                     " ms) expired before the op finished; the group was aborted";
   complete(Status(StatusCode::kTimeout, why));
   abortComm_(why);
-  std::lock_guard<std::mutex> lock(mutex_);
-  std::rethrow_exception(exception_);
+  raiseIfFailed();
+  return true;
+}
+
+void ResilientWork::synchronize() {
+  if (op_) {
+    hostWait(kNoTimeout);
+    return;
+  }
+  std::unique_lock<std::mutex> lock(mutex_);
+  cv_.wait(lock, [this] { return completed_; });
+}
+
+void ResilientWork::blockCurrentStream() {
+  if (op_) {
+    Result<bool> ordered = op_->blockCurrentStream();
+    if (ordered.isOk() && ordered.value()) {
+      return;
+    }
+  }
+  synchronize();
 }
 
 void ResilientWork::abort() {
@@ -69,8 +137,26 @@ c10::intrusive_ptr<c10::ivalue::Future> ResilientWork::getFuture() {
   return future_;
 }
 
+void ResilientWork::markFutureReady() {
+  std::exception_ptr err;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (futureSet_) {
+      return;
+    }
+    futureSet_ = true;
+    err = exception_;
+  }
+  if (err) {
+    future_->setError(err);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+}
+
 void ResilientWork::complete(const Status& status) {
   std::exception_ptr err;
+  bool setFuture = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (completed_) {
@@ -84,8 +170,15 @@ void ResilientWork::complete(const Status& status) {
     }
     completed_ = true;
     exception_ = err;
+    // A host op's Future completes with it; a device op's is marked from its stream, unless
+    // the op failed first.
+    setFuture = !futureSet_ && (!op_ || err);
+    futureSet_ = futureSet_ || setFuture;
   }
   cv_.notify_all();
+  if (!setFuture) {
+    return;
+  }
   if (err) {
     future_->setError(err);
   } else {

@@ -2,13 +2,17 @@
 
 #include <c10/util/Exception.h>
 
+#include <optional>
+
 namespace resilient_comm {
 
 std::string OpSite::prefix() const {
   return backend + " " + op + " on group '" + group + "' rank " + std::to_string(rank) + ": ";
 }
 
-DataType toDataType(const OpSite& site, at::ScalarType t) {
+namespace {
+
+std::optional<DataType> knownType(at::ScalarType t) {
   switch (t) {
     case at::kChar:
       return DataType::kInt8;
@@ -31,10 +35,39 @@ DataType toDataType(const OpSite& site, at::ScalarType t) {
     case at::kBool:
       return DataType::kBool;
     default:
-      C10_THROW_ERROR(ValueError, site.prefix() + "unsupported dtype " + std::string(c10::toString(t)) +
-                                      " (supported: int8, uint8, int16, int32, int64, float16, bfloat16, "
-                                      "float32, float64, bool)");
+      return std::nullopt;
   }
+}
+
+}  // namespace
+
+DataType toDataType(const OpSite& site, at::ScalarType t) {
+  std::optional<DataType> dt = knownType(t);
+  if (!dt) {
+    C10_THROW_ERROR(ValueError, site.prefix() + "unsupported dtype " + std::string(c10::toString(t)) +
+                                    " for a reduction (supported: int8, uint8, int16, int32, int64, float16, "
+                                    "bfloat16, float32, float64, bool; data movement takes any dtype)");
+  }
+  return *dt;
+}
+
+Payload payload(const at::Tensor& t) {
+  std::optional<DataType> dt = knownType(t.scalar_type());
+  if (dt) {
+    return Payload{*dt, static_cast<size_t>(t.numel()), 1};
+  }
+  return Payload{DataType::kUInt8, t.nbytes(), static_cast<size_t>(t.element_size())};
+}
+
+at::Tensor preMulFactor(const c10d::ReduceOp& op, const at::Tensor& t) {
+  if (op.op_ != c10d::ReduceOp::PREMUL_SUM || !op.supplement_) {
+    return at::Tensor();
+  }
+  const auto* s = static_cast<const c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+  if (s->tensor_factor.defined()) {
+    return s->tensor_factor.to(t.device(), t.scalar_type()).reshape({});
+  }
+  return at::scalar_tensor(s->double_factor, t.options());
 }
 
 RedOp toRedOp(const OpSite& site, const c10d::ReduceOp& op, at::ScalarType t) {
@@ -53,8 +86,16 @@ RedOp toRedOp(const OpSite& site, const c10d::ReduceOp& op, at::ScalarType t) {
                                         std::string(c10::toString(t)));
       }
       return RedOp::kAvg;
+    case c10d::ReduceOp::PREMUL_SUM:
+      if (!at::isFloatingType(t) || !op.supplement_) {
+        C10_THROW_ERROR(ValueError, site.prefix() + "ReduceOp.PREMUL_SUM needs a floating-point tensor and a factor "
+                                        "(torch.distributed._make_nccl_premul_sum), got " +
+                                        std::string(c10::toString(t)));
+      }
+      return RedOp::kSum;
     default:
-      C10_THROW_ERROR(ValueError, site.prefix() + "unsupported reduce op (supported: SUM, PRODUCT, MIN, MAX, AVG)");
+      C10_THROW_ERROR(ValueError,
+                      site.prefix() + "unsupported reduce op (supported: SUM, PRODUCT, MIN, MAX, AVG, PREMUL_SUM)");
   }
 }
 

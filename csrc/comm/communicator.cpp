@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <exception>
 
 namespace resilient_comm {
 
@@ -48,6 +49,24 @@ Status waitUntilReady(Communicator& comm, const StateSignal& signal, const Deadl
     // Woken by the state change; the cap only bounds how late the deadline is noticed.
     signal.waitChange(seen, std::min<std::chrono::microseconds>(
                                 std::chrono::microseconds(deadline.remainingMs(50) * 1000), std::chrono::milliseconds(50)));
+  }
+}
+
+}  // namespace resilient_comm
+
+namespace resilient_comm {
+
+Result<std::shared_ptr<PendingOp>> Communicator::launch(const std::string& what, const Deadline&, std::shared_ptr<void>,
+                                                        const std::function<Status()>&) {
+  return Status(StatusCode::kNotSupported, what + ": this transport runs ops where they are called, not in flight");
+}
+
+Status Communicator::onStream(std::function<void()> fn) {
+  try {
+    fn();
+    return Status::ok();
+  } catch (const std::exception& e) {
+    return Status(StatusCode::kInternal, e.what());
   }
 }
 

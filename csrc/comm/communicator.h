@@ -14,6 +14,15 @@
 // Buffers are raw host (or device) pointers with an element count and a DataType. Every
 // call takes a Deadline; a call that cannot finish by then fails with kTimeout and leaves
 // the communicator in Error (peers learn of it within milliseconds).
+//
+// [Note: stream-ordered communicators]
+// The device transports (NCCL) also run ops asynchronously, ordered on a device stream:
+// launch() runs a body of collective calls as one op that follows the calling thread's
+// current stream and returns it in flight (a PendingOp); inside launch() the collectives only
+// enqueue, and onStream() places host work (copies into and out of flat buffers) before or
+// after them on the same stream. Called outside launch(), every collective still returns when
+// it is done, on every transport. The host transports run launch()'s body where they are and
+// onStream() at once, so one body serves both.
 #pragma once
 
 #include <chrono>
@@ -29,6 +38,7 @@
 #include "common/abort_token.h"
 #include "common/deadline.h"
 #include "common/status.h"
+#include "comm/pending_op.h"
 #include "comm/types.h"
 
 namespace c10d {
@@ -130,6 +140,17 @@ class Communicator {
   // Existing members keep their ranks.
   virtual Result<std::shared_ptr<Communicator>> grow(int newSize, const c10::intrusive_ptr<c10d::Store>& store,
                                                      const std::string& joinKey, const Deadline& dl) = 0;
+
+  // Stream-ordered transports only (see the note above): true if launch() runs ops in flight.
+  virtual bool streamOrdered() const {
+    return false;
+  }
+  // Runs `body` as one op named `what` and returns it in flight; `keep` (the op's tensors) is
+  // held until its end event completes. kNotSupported on host transports.
+  virtual Result<std::shared_ptr<PendingOp>> launch(const std::string& what, const Deadline& dl,
+                                                    std::shared_ptr<void> keep, const std::function<Status()>& body);
+  // Host work ordered with the op's collectives (see the note above); at once on host transports.
+  virtual Status onStream(std::function<void()> fn);
 };
 
 // Shared by the transports: poll()'s answer for a state (kInProgress while Initializing), and a

@@ -33,6 +33,12 @@ Result<int64_t> storeAdd(const StorePtr& store, const std::string& key, int64_t 
   return out;
 }
 
+Result<bool> storeCheck(const StorePtr& store, const std::string& key) {
+  bool present = false;
+  RC_RETURN_IF_ERROR(guarded("check", [&] { present = store->check({key}); }));
+  return present;
+}
+
 Result<std::vector<std::string>> storeFetch(const StorePtr& store, const std::vector<std::string>& keys,
                                             const Deadline& dl, AbortToken& abort) {
   // check() is one round trip and never blocks; back off between checks (waking at once on

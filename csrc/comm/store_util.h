@@ -21,6 +21,8 @@ using StorePtr = c10::intrusive_ptr<c10d::Store>;
 
 Status storeSet(const StorePtr& store, const std::string& key, const std::string& value);
 Result<int64_t> storeAdd(const StorePtr& store, const std::string& key, int64_t delta);
+// Whether `key` exists, without waiting.
+Result<bool> storeCheck(const StorePtr& store, const std::string& key);
 // Waits (polling with back-off, waking at once on abort) until every key exists, then reads
 // them all. A timeout names the keys that never appeared.
 Result<std::vector<std::string>> storeFetch(const StorePtr& store, const std::vector<std::string>& keys,

@@ -25,6 +25,18 @@ namespace resilient_comm::env {
     "path of the libnccl to load before trying the one torch loaded and the nvidia-nccl wheel")  \
   X(kNcclMultiRankGpu, "NCCL_MULTI_RANK_GPU_ENABLE", "0",                                        \
     "NCCL's own switch (2.30+): several ranks of a communicator on one GPU; read to report the cap") \
+  X(kNcclEmulate, "RESILIENT_COMM_NCCL_EMULATE", "0",                                           \
+    "1: resilient_nccl sends CPU tensors through its NCCL communicator on the NCCL emulator (tests, CI)") \
+  X(kNcclEmulateVersion, "RESILIENT_COMM_NCCL_EMULATE_VERSION", "2.30.0",                        \
+    "the NCCL version the emulator reports (its features follow: shrink 2.27, revoke 2.28.7, grow 2.29)") \
+  X(kNcclEmulateLaunchUs, "RESILIENT_COMM_NCCL_EMULATE_LAUNCH_US", "20",                         \
+    "emulator: how long after a call returns ncclInProgress its kernels reach the stream, in us") \
+  X(kNcclEmulateKernelUs, "RESILIENT_COMM_NCCL_EMULATE_KERNEL_US", "0",                          \
+    "emulator: device time of every kernel (at least), in us")                                  \
+  X(kNcclEmulatePeerDeath, "RESILIENT_COMM_NCCL_EMULATE_PEER_DEATH", "error",                    \
+    "emulator: a dead peer sets ncclRemoteError (error, as NCCL's network proxy) or only hangs the kernel (hang)") \
+  X(kBlockingWait, "RESILIENT_COMM_BLOCKING_WAIT", "0",                                          \
+    "1: Work.wait() on a device op waits on the host (as TORCH_NCCL_BLOCKING_WAIT=1), not only the stream") \
   X(kHcclLib, "RESILIENT_COMM_HCCL_LIB", "",                                                     \
     "path of the libhccl to load before libhccl.so from the default library search path")        \
   X(kWatchdogGraceMs, "RESILIENT_COMM_WATCHDOG_GRACE_MS", "250",                                 \

@@ -11,7 +11,8 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "transport/hccl/hccl_api.h"
-#include "transport/nccl/fake_nccl.h"
+#include "device/scripted_streams.h"
+#include "transport/nccl/emulator/nccl_emulator.h"
 #include "transport/nccl/nccl_api.h"
 #include "transport/nccl/nccl_communicator.h"
 #include "transport/tcp/tcp_communicator.h"
@@ -126,6 +127,9 @@ PYBIND11_MODULE(_C, m) {
             }
           },
           py::arg("tensor"), py::arg("iters"))
+      .def("get_error", &ResilientBackend::getError,
+           "c10d's ErrorType of the group's first error (its host or device communicator's); torch binds "
+           "Backend.get_error only in CUDA builds")
       .def("split_by_color", &ResilientBackend::splitByColor, py::arg("color"), py::arg("key"),
            py::call_guard<py::gil_scoped_release>())
       .def("grow", &ResilientBackend::grow, py::arg("new_size"), py::arg("store"), py::arg("join_key"),
@@ -184,6 +188,24 @@ PYBIND11_MODULE(_C, m) {
                        });
   });
   m.def("set_nccl_candidates", &resilient_comm::nccl::setNcclCandidates, py::arg("paths"));
+  m.def("nccl_emulator_stats", [] {
+    // What this process's NCCL emulator (RESILIENT_COMM_NCCL_EMULATE=1) was asked to do, for tests
+    // and benchmarks: calls by kind, kernels launched, and misuse (calls NCCL leaves undefined).
+    auto& s = resilient_comm::nccl::processEmulator()->stats();
+    py::dict d;
+    d["inits"] = s.inits.load();
+    d["aborts"] = s.aborts.load();
+    d["destroys"] = s.destroys.load();
+    d["finalizes"] = s.finalizes.load();
+    d["revokes"] = s.revokes.load();
+    d["shrinks"] = s.shrinks.load();
+    d["splits"] = s.splits.load();
+    d["grows"] = s.grows.load();
+    d["kernels"] = s.kernels.load();
+    d["last_shrink_flags"] = s.lastShrinkFlags.load();
+    d["misuse"] = s.misuse.load();
+    return d;
+  });
   m.def(
       "nccl_unique_id",
       []() {
@@ -209,14 +231,13 @@ PYBIND11_MODULE(_C, m) {
         if (!api.isOk()) {
           return api.status().toString();
         }
-        auto streams = resilient_comm::nccl::makeDeviceStreamOps("cuda", 0);
-        std::shared_ptr<resilient_comm::nccl::StreamOps> ops;
+        auto streams = resilient_comm::device::makeDeviceStreamOps("cuda", 0);
+        std::shared_ptr<resilient_comm::device::StreamOps> ops;
         if (streams.isOk()) {
           ops = streams.take();
         } else {
           // No CUDA in this torch: NCCL's own init still runs (and reports the missing device).
-          resilient_comm::nccl::FakeScript none;
-          ops = std::make_shared<resilient_comm::nccl::FakeStreamOps>(none);
+          ops = std::make_shared<resilient_comm::device::ScriptedStreamOps>(/*opsHang=*/false);
         }
         resilient_comm::nccl::NcclOptions o{"nccl_init_check", c10::make_intrusive<c10d::HashStore>(), "check/", 0, 1};
         auto dl = resilient_comm::Deadline::after(std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000)));

@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "common/logging.h"
+#include "watchdog/watchdog.h"
 
 namespace resilient_comm {
 
@@ -27,7 +28,33 @@ struct Completion {
   bool done = false;
 };
 
+void markTainted(const std::string& what, std::chrono::milliseconds bound) {
+  std::string reason = what + " did not return within " + std::to_string(bound.count()) + " ms";
+  {
+    std::lock_guard<std::mutex> tl(taint().mu);
+    if (taint().reason.empty()) {
+      taint().reason = reason;
+    }
+  }
+  RC_LOG(kError, "process tainted: " << reason << "; leaving it running and carrying on");
+}
+
 }  // namespace
+
+void Reaper::start(std::function<void()> fn, std::chrono::milliseconds bound, const std::string& what) {
+  auto c = std::make_shared<Completion>();
+  std::thread([c, fn = std::move(fn)] {
+    fn();
+    std::lock_guard<std::mutex> lock(c->mu);
+    c->done = true;
+  }).detach();
+  Watchdog::instance().watch(Deadline::after(bound), [c, bound, what] {
+    std::lock_guard<std::mutex> lock(c->mu);
+    if (!c->done) {
+      markTainted(what, bound);
+    }
+  });
+}
 
 bool Reaper::run(std::function<void()> fn, std::chrono::milliseconds bound, const std::string& what) {
   auto c = std::make_shared<Completion>();
@@ -41,14 +68,7 @@ bool Reaper::run(std::function<void()> fn, std::chrono::milliseconds bound, cons
   if (c->cv.wait_for(lock, bound, [&] { return c->done; })) {
     return true;
   }
-  std::string reason = what + " did not return within " + std::to_string(bound.count()) + " ms";
-  {
-    std::lock_guard<std::mutex> tl(taint().mu);
-    if (taint().reason.empty()) {
-      taint().reason = reason;
-    }
-  }
-  RC_LOG(kError, "process tainted: " << reason << "; leaving it running and carrying on");
+  markTainted(what, bound);
   return false;
 }
 

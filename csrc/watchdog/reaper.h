@@ -18,6 +18,9 @@ class Reaper {
  public:
   // True if fn returned within `bound`.
   static bool run(std::function<void()> fn, std::chrono::milliseconds bound, const std::string& what);
+  // Starts fn on its own thread and returns at once (for the watchdog's thread, and destructors,
+  // which must not wait at all); if fn has not returned within `bound`, the process is tainted.
+  static void start(std::function<void()> fn, std::chrono::milliseconds bound, const std::string& what);
   static bool tainted();
   static std::string taintReason();
 };

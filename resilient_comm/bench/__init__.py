@@ -2,6 +2,8 @@
 
 - :mod:`~resilient_comm.bench.collectives`: latency and bandwidth of the CPU collectives of
   ``resilient_tcp`` against gloo, in the same worker processes.
+- :mod:`~resilient_comm.bench.nccl_path`: the NCCL code path's overlap on the NCCL emulator
+  (async calls that return at once, ops in flight together) against resilient_tcp and gloo.
 - :mod:`~resilient_comm.bench.overhead`: ``dist.all_reduce`` on ``resilient_tcp`` against the
   bare communicator and against gloo.
 - :mod:`~resilient_comm.bench.primitives`: init, abort, shrink (against a full re-init), split

@@ -87,11 +87,12 @@ class Settings:
     features: int = 16
     hidden: int = 32
     dtype: str = "float64"
+    backend: str = "resilient_tcp"
 
     def toy_args(self, workdir: str) -> list[str]:
         return ["--steps", str(self.steps), "--ckpt", os.path.join(workdir, "ckpt.pt"), "--ckpt-every",
                 str(self.ckpt_every), "--step-ms", str(self.step_ms), "--features", str(self.features),
-                "--hidden", str(self.hidden), "--dtype", self.dtype]
+                "--hidden", str(self.hidden), "--dtype", self.dtype, "--backend", self.backend]
 
     @property
     def params(self) -> int:

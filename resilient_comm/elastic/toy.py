@@ -222,7 +222,7 @@ def run_elastic(a: argparse.Namespace) -> int:
                          place=info["place"].rank, slot=info["place"].slot, **extra)
 
     nbytes = sum(p.numel() * p.element_size() for p in trainer.params())
-    ctl = Controller(trainer, tp=a.tp, start_step=start, comm_bytes=nbytes, hook=hook,
+    ctl = Controller(trainer, tp=a.tp, backend=a.backend, start_step=start, comm_bytes=nbytes, hook=hook,
                      checkpoint_dir=a.ckpt_dir, checkpoint_every=a.ckpt_dir_every)
 
     def train_step(s: Any) -> None:
@@ -348,6 +348,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m resilient_comm.elastic.toy", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=60, help="steps to train (default 60)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (elastic mode)")
+    p.add_argument("--backend", default="resilient_tcp", choices=("resilient_tcp", "resilient_nccl"),
+                   help="elastic mode's backend (resilient_nccl on CPU tensors: with RESILIENT_COMM_NCCL_EMULATE=1 "
+                        "the NCCL code path on the NCCL emulator)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--features", type=int, default=16)
     p.add_argument("--hidden", type=int, default=32)

@@ -1,4 +1,6 @@
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <exception>
 
 #include "check.h"
@@ -6,7 +8,12 @@
 int main() {
   int passed = 0;
   int failed = 0;
+  // RC_TEST_FILTER=substring runs only the tests whose name contains it (for debugging).
+  const char* filter = std::getenv("RC_TEST_FILTER");
   for (const auto& c : rc_test::cases()) {
+    if (filter != nullptr && std::strstr(c.name, filter) == nullptr) {
+      continue;
+    }
     try {
       c.fn();
       std::printf("[ OK ] %s\n", c.name);

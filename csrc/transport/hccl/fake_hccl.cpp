@@ -2,7 +2,7 @@
 
 #include <cstring>
 
-#include "transport/nccl/fake_nccl.h"
+#include "device/scripted_streams.h"
 
 namespace resilient_comm::hccl {
 
@@ -68,11 +68,10 @@ uint32_t FakeHccl::live(HcclComm comm) {
   return 0;
 }
 
-std::function<Result<std::shared_ptr<nccl::StreamOps>>()> FakeHccl::streams() const {
-  nccl::FakeScript s;
-  s.opsHang = script_.opsHang;
-  return [s]() -> Result<std::shared_ptr<nccl::StreamOps>> {
-    return std::shared_ptr<nccl::StreamOps>(std::make_shared<nccl::FakeStreamOps>(s));
+std::function<Result<std::shared_ptr<device::StreamOps>>()> FakeHccl::streams() const {
+  bool hang = script_.opsHang;
+  return [hang]() -> Result<std::shared_ptr<device::StreamOps>> {
+    return std::shared_ptr<device::StreamOps>(std::make_shared<device::ScriptedStreamOps>(hang));
   };
 }
 

@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "transport/hccl/hccl_api.h"
-#include "transport/nccl/stream_ops.h"
+#include "device/stream_ops.h"
 
 namespace resilient_comm::hccl {
 
@@ -74,8 +74,8 @@ class FakeHccl : public HcclApi {
   HcclResult barrier(HcclComm comm, aclrtStream stream) override;
   const char* getErrorString(HcclResult r) override;
 
-  // For HcclOptions::makeStreams: nccl::FakeStreamOps whose ops hang when the script says so.
-  std::function<Result<std::shared_ptr<nccl::StreamOps>>()> streams() const;
+  // For HcclOptions::makeStreams: device::ScriptedStreamOps whose ops hang when the script says so.
+  std::function<Result<std::shared_ptr<device::StreamOps>>()> streams() const;
   // Unblocks every init, sub-communicator creation and destroy held by the script.
   void release();
   // Waits up to `bound` for pred() to hold; re-checked whenever a counter moves.

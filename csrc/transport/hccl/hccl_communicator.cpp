@@ -337,7 +337,7 @@ Status HcclCommunicator::call(const char* what, const Deadline& dl, const std::f
   return mapError(*api_, what, fn(own_->comm));
 }
 
-Status HcclCommunicator::waitDone(uint64_t token, const Deadline& dl) {
+Status HcclCommunicator::waitDone(device::DeviceEvent& end, const Deadline& dl) {
   return pollUntil(
       [&]() -> Result<bool> {
         // The error first: an op that "finished" on a communicator with an error has no
@@ -346,7 +346,7 @@ Status HcclCommunicator::waitDone(uint64_t token, const Deadline& dl) {
         RC_RETURN_IF_ERROR(
             call("HcclGetCommAsyncError", dl, [&](HcclComm c) { return api_->getCommAsyncError(c, &async); }));
         RC_RETURN_IF_ERROR(mapError(*api_, "the op (asynchronous error)", async));
-        return streams_->done(token);
+        return end.query();
       },
       dl, *abort_, {std::chrono::microseconds(5), std::chrono::microseconds(1000)},
       "the op did not complete on the device before its deadline");
@@ -366,10 +366,13 @@ Status HcclCommunicator::run(OpKind op, const Deadline& dl,
   if (opts_.bindDevice) {
     opts_.bindDevice();
   }
-  streams_->followCaller();
-  Status st = call(what, dl, [&](HcclComm c) { return launch(c, stream_); });
+  Status st = streams_->followCurrent();
   if (st.isOk()) {
-    st = waitDone(streams_->record(), dl);
+    st = call(what, dl, [&](HcclComm c) { return launch(c, stream_); });
+  }
+  if (st.isOk()) {
+    Result<std::shared_ptr<device::DeviceEvent>> end = streams_->record();
+    st = end.isOk() ? waitDone(*end.value(), dl) : end.status();
   }
   if (st.isOk()) {
     return st;
@@ -464,7 +467,10 @@ Status HcclCommunicator::allToAll(const void* send, const std::vector<size_t>& s
 Status HcclCommunicator::gather(const void* send, void* recv, size_t count, DataType dt, int root,
                                 const Deadline& dl) {
   const uint64_t bytes = count * dataTypeSize(dt);
-  void* into = opts_.rank == root ? recv : streams_->scratch(bytes * static_cast<uint64_t>(opts_.size));
+  void* into = recv;
+  if (opts_.rank != root) {
+    RC_ASSIGN_OR_RETURN(into, streams_->scratch(bytes * static_cast<uint64_t>(opts_.size)));
+  }
   return run(
       OpKind::kGather, dl,
       [&](HcclComm c, aclrtStream s) {

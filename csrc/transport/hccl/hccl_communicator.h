@@ -46,11 +46,11 @@
 #include "comm/store_util.h"
 #include "common/abort_token.h"
 #include "transport/hccl/hccl_api.h"
-#include "transport/nccl/stream_ops.h"
+#include "device/stream_ops.h"
 
 namespace resilient_comm::hccl {
 
-using StreamOps = nccl::StreamOps;
+using StreamOps = device::StreamOps;
 
 struct HcclOptions {
   std::string name;
@@ -148,7 +148,7 @@ class HcclCommunicator : public CommLifecycle {
   // Checks, enqueues `launch` and waits for it.
   Status run(OpKind op, const Deadline& dl, const std::function<HcclResult(HcclComm, aclrtStream)>& launch,
              const char* what);
-  Status waitDone(uint64_t token, const Deadline& dl);
+  Status waitDone(device::DeviceEvent& end, const Deadline& dl);
   Status fail(const Status& st);
   // Gives up this communicator's own HcclComm (see the Notes above); the world's stays.
   void release();

@@ -30,7 +30,7 @@ Result<std::shared_ptr<Communicator>> createHcclCommunicator(const StorePtr& sto
   o.size = size;
   o.makeStreams = [deviceIndex]() -> Result<std::shared_ptr<StreamOps>> {
     std::shared_ptr<StreamOps> streams;
-    RC_ASSIGN_OR_RETURN(streams, nccl::makeDeviceStreamOps("npu", deviceIndex));
+    RC_ASSIGN_OR_RETURN(streams, device::makeDeviceStreamOps("npu", deviceIndex));
     try {
       streams->nativeStream();  // HCCL needs the aclrtStream behind c10's stream
     } catch (const std::exception& e) {

@@ -1,25 +1,45 @@
 // NcclCommunicator: the Communicator contract over NCCL (DESIGN.md §3, NCCL transport).
 //
-// Lifecycle: create() returns at once in Initializing. An init thread exchanges the unique id
-// through the store (rank 0 makes it), calls ncclCommInitRankConfig on a non-blocking config
-// and polls ncclCommGetAsyncError until the communicator is ready, the deadline passes or
-// abort() is called; then the communicator is Ready, or Error/Aborted with the NCCL message.
+// Lifecycle: create() returns at once in Initializing. An init thread binds the device, exchanges
+// the unique id through the store (rank 0 makes it), calls ncclCommInitRankConfig on a
+// non-blocking config and settles it (nccl_handle.h) until the communicator is ready, the
+// deadline passes or abort() is called; then the communicator is Ready, or Error/Aborted with
+// the NCCL message.
 //
-// Ops: enqueued on this communicator's stream after the caller's current stream, then waited
-// for by polling the stream event and ncclCommGetAsyncError, bounded by the op's deadline and
-// the abort token. A remote error is a PeerFailure; a deadline a Timeout; both abort the
-// communicator. Data-movement ops travel as bytes, so every dtype works; reductions map
-// dtypes and ops onto NCCL's (int16 has no NCCL type; bool reduces as uint8 max/min).
+// Ops are stream-ordered (communicator.h, [Note: stream-ordered communicators]): launch() runs
+// on the caller's thread with the communicator's device current (the caller's is restored):
+// the communicator's own stream waits for the caller's current stream, the body's NCCL calls go
+// into one NCCL group (host work before the first call runs first, after it once the group is
+// on the stream), the group is settled, an end event recorded, and the op returned in flight
+// (a PendingOp, which holds the op's tensors until the event completes). Several ops may be in
+// flight. The watchdog polls them (watchdogPoll): the async error first (an op that "finished"
+// on a communicator with a remote error has no trustworthy result), then each end event and
+// deadline. A remote error is a PeerFailure, an expired deadline a Timeout, a device error an
+// Internal error; each fails the communicator, and every op still in flight gets the error.
+// Outside launch() every collective is launched and waited for on the host, so the
+// Communicator contract ("returns when done") holds for direct callers.
 //
-// [Note: NCCL calls on one communicator are serialized]
-// Every call on the handle takes its mutex. ncclCommAbort blocks, so abort() runs it on the Reaper
-// with a bounded wait: a stuck abort marks the process tainted and never holds the caller.
-// A communicator that saw an error, or whose parent role ended in an abortive shrink, is
-// aborted, never Finalized or Destroyed.
+// [Note: a failed NCCL communicator is kept for the shrink]
+// A failure (or abort()) ends the communicator for its users at once: every op in flight and
+// later fails with the first error. The NCCL communicator itself is not aborted yet, because a
+// shrink may follow and needs a parent that is not aborted (ncclCommAbort of a parent also kills
+// a child's init through the shared abort flag). Where the library has ncclCommRevoke (2.28.7+)
+// it is revoked at once (its kernels stop); with shrink but no revoke (2.27-2.28.6), shrink uses
+// NCCL_SHRINK_ABORT, which stops them then; without shrink it is aborted at once. Otherwise it
+// is aborted once a shrink's child is ready, or when the communicator is destroyed. A
+// communicator that saw an error is never finalized or destroyed, only aborted.
 //
-// Moves: shrink with ncclCommShrink (NCCL_SHRINK_ABORT after an error; the parent is aborted
-// afterwards), split with ncclCommSplit, grow with ncclCommGrow; where the library lacks one
-// (features()), a fresh init among the new members with a new unique id from the store.
+// Moves: shrink with ncclCommShrink (after an error: revoke then NCCL_SHRINK_DEFAULT, or
+// NCCL_SHRINK_ABORT), split with ncclCommSplit, grow with ncclCommGrow; each child has its own
+// stream and handle, its handle written by NCCL into the child's heap slot and settled (parent,
+// then child) by the child's init thread, which also holds the parent until the child is ready.
+// Where the library lacks a move (features()), a fresh init among the new members with a unique
+// id from the store. If a native shrink after an error fails on any survivor, every survivor
+// falls back to that fresh init (they agree through a store key), so no survivor waits for a
+// shrink the others gave up.
+//
+// Threads: one thread at a time calls ops, launch() and the moves; abort() from any thread;
+// watchdogPoll() from the watchdog's.
 #pragma once
 
 #include <atomic>
@@ -27,14 +47,17 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include <c10/util/intrusive_ptr.h>
 
-#include "common/abort_token.h"
 #include "comm/comm_lifecycle.h"
 #include "comm/communicator.h"
+#include "common/abort_token.h"
+#include "device/stream_ops.h"
 #include "transport/nccl/nccl_api.h"
-#include "transport/nccl/stream_ops.h"
+#include "transport/nccl/nccl_handle.h"
+#include "watchdog/watchdog.h"
 
 namespace c10d {
 class Store;
@@ -50,16 +73,16 @@ struct NcclOptions {
   int size = 1;
 };
 
-class NcclCommunicator : public CommLifecycle, public std::enable_shared_from_this<NcclCommunicator> {
+class NcclCommunicator : public CommLifecycle, public Polled, public std::enable_shared_from_this<NcclCommunicator> {
  public:
   // Fails at once if the library cannot do non-blocking init and abort (NCCL < 2.14).
   static Result<std::shared_ptr<NcclCommunicator>> create(std::shared_ptr<NcclApi> api,
-                                                          std::shared_ptr<StreamOps> streams, NcclOptions opts,
+                                                          std::shared_ptr<device::StreamOps> streams, NcclOptions opts,
                                                           const Deadline& initDeadline);
   // A joiner of a grow (see Communicator::grow): opts.prefix is the join key, opts.rank and
   // opts.size its rank in and the size of the grown communicator.
   static Result<std::shared_ptr<NcclCommunicator>> join(std::shared_ptr<NcclApi> api,
-                                                        std::shared_ptr<StreamOps> streams, NcclOptions opts,
+                                                        std::shared_ptr<device::StreamOps> streams, NcclOptions opts,
                                                         const Deadline& dl);
   ~NcclCommunicator() override;
 
@@ -82,6 +105,8 @@ class NcclCommunicator : public CommLifecycle, public std::enable_shared_from_th
   Status gather(const void* send, void* recv, size_t count, DataType dt, int root, const Deadline& dl) override;
   Status scatter(const void* send, void* recv, size_t count, DataType dt, int root, const Deadline& dl) override;
   Status barrier(const Deadline& dl) override;
+  // Every op of the list in one NCCL group. NCCL has no tags: messages between two ranks match
+  // in call order, as on TCP; `feed` is not needed (the group is on the device already).
   Status sendRecv(const std::vector<P2POp>& ops, const Deadline& dl, const P2PFeed* feed = nullptr) override;
 
   Result<std::shared_ptr<Communicator>> shrink(const std::vector<int>& exclude, bool afterError,
@@ -90,47 +115,72 @@ class NcclCommunicator : public CommLifecycle, public std::enable_shared_from_th
   Result<std::shared_ptr<Communicator>> grow(int newSize, const c10::intrusive_ptr<c10d::Store>& store,
                                              const std::string& joinKey, const Deadline& dl) override;
 
- private:
-  NcclCommunicator(std::shared_ptr<NcclApi> api, std::shared_ptr<StreamOps> streams, NcclOptions opts);
+  bool streamOrdered() const override {
+    return true;
+  }
+  Result<std::shared_ptr<PendingOp>> launch(const std::string& what, const Deadline& dl, std::shared_ptr<void> keep,
+                                            const std::function<Status()>& body) override;
+  Status onStream(std::function<void()> fn) override;
+  bool watchdogPoll() override;
 
-  // Runs `plan` on a detached thread (it ends with comm_ set, or an error), then polls the
-  // communicator ready; moves to Ready, or Error with the failure.
-  void start(std::function<Status(NcclCommunicator&, const Deadline&)> plan, const Deadline& dl);
-  // Exchanges a unique id under `key` (rank 0 of the new communicator makes it) and starts
-  // a non-blocking init.
+  // Ops launched and not yet retired (for tests).
+  size_t inFlight() const;
+
+ private:
+  using Plan = std::function<Status(NcclCommunicator&, const Deadline&)>;
+  NcclCommunicator(std::shared_ptr<NcclApi> api, std::shared_ptr<device::StreamOps> streams, NcclOptions opts);
+  // Another communicator of this library and device, with a stream of its own.
+  Result<std::shared_ptr<NcclCommunicator>> makeChild(int rank, int size, std::string prefix,
+                                                      c10::intrusive_ptr<c10d::Store> store);
+  // Runs `plan` (it ends with the handle filled in, or an error) on a detached init thread with
+  // the device bound, settles the handle, moves to Ready or Error, then runs `whenDone`.
+  void start(Plan plan, const Deadline& dl, std::function<void()> whenDone = nullptr);
+  // A child's plan after its parent's split/shrink call returned: settles the parent (NCCL then
+  // wrote the child's handle) and the child. With a `fallbackKey`, a shrink after an error: if
+  // another survivor wrote that key (its native shrink failed), gives up the native child
+  // (kAborted) so that this survivor falls back with it.
+  Status settleChild(NcclCommunicator& parent, const std::string& fallbackKey, const Deadline& dl);
+  // Exchanges a unique id under `key` (rank 0 of the new communicator makes it) and starts a
+  // non-blocking init.
   Status initWithId(const std::string& key, const Deadline& dl);
-  // Polls ncclCommGetAsyncError until it leaves ncclInProgress.
-  Status settle(const char* what, const Deadline& dl);
-  // One NCCL call on this communicator, serialized, with its error mapped to a Status.
-  Status call(const char* what, const std::function<ncclResult_t()>& fn);
+  // One NCCL call on this communicator's handle (settling the previous one first), mapped.
+  Status call(const char* what, const std::function<ncclResult_t(ncclComm_t)>& fn, const Deadline& dl);
   Status mapError(const char* what, ncclResult_t r);
-  // Checks, enqueues `launch` (a group of NCCL calls) and waits for it.
-  Status run(OpKind op, const Deadline& dl, const std::function<Status()>& launch);
-  Status waitDone(uint64_t token, const Deadline& dl);
+  // A collective: `calls` inside launch(); outside it, launched and waited for on the host.
+  Status collective(const char* op, const Deadline& dl, const std::function<Status()>& calls);
+  // One NCCL call of a collective, into launch()'s group (opened by the first one).
+  Status enqueue(const char* what, const std::function<ncclResult_t(ncclComm_t, cudaStream_t)>& fn, const Deadline& dl);
+  // Ends launch()'s group and settles it.
+  Status closeGroup(const Deadline& dl);
+  Status ready(const Deadline& dl);
   Status fail(const Status& st);
-  void abortNccl();
-  // A child around a communicator NCCL made (split, shrink, grow); `prefix` is its own store
-  // key prefix.
-  Result<std::shared_ptr<Communicator>> adopt(ncclComm_t child, int rank, int size, const std::string& prefix,
-                                              const Deadline& dl);
-  // A child by fresh init with a unique id under `prefix` of `store` (where NCCL lacks the move).
+  // Fails every op in flight with the communicator's error and stops issuing (see the Note).
+  void finish();
+  // The NCCL communicator of a failed or aborted communicator: revoked, kept for a shrink, or
+  // aborted (see [Note: a failed NCCL communicator is kept for the shrink]).
+  void disposeHandle();
+  // A child by a fresh init with a unique id under `prefix` of `store` (where NCCL lacks the move).
   Result<std::shared_ptr<Communicator>> reinit(int rank, int size, const c10::intrusive_ptr<c10d::Store>& store,
                                                const std::string& prefix, const Deadline& dl);
 
   std::shared_ptr<NcclApi> api_;
-  std::shared_ptr<StreamOps> streams_;
+  std::shared_ptr<device::StreamOps> streams_;
   NcclOptions opts_;
+  NcclFeatures features_;
   AbortToken abort_;
-  // The NCCL handle, shared with reaper threads that may outlive this object.
-  struct Handle {
-    std::mutex mu;  // serializes NCCL calls on comm
-    ncclComm_t comm = nullptr;
-    bool aborted = false;  // ncclCommAbort was called; guarded by mu
-  };
-  std::shared_ptr<Handle> handle_ = std::make_shared<Handle>();
-  ncclComm_t& comm_ = handle_->comm;
-  uint64_t seq_ = 0;
+  std::shared_ptr<NcclHandle> handle_;
+  std::atomic<bool> disposed_{false};  // disposeHandle() ran
+  std::atomic<bool> revoked_{false};   // ncclCommRevoke was called on the handle
+  std::atomic<uint64_t> seq_{0};
   int derived_ = 0;
+
+  // launch()'s state, on the calling thread only.
+  bool launching_ = false;
+  bool groupOpen_ = false;
+  std::vector<std::function<void()>> afterGroup_;
+
+  mutable std::mutex opsMu_;
+  std::vector<std::shared_ptr<PendingOp>> inflight_;  // guarded by opsMu_
 };
 
 }  // namespace resilient_comm::nccl

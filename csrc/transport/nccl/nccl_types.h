@@ -1,14 +1,19 @@
 // Our own declarations of the few NCCL types we use, so nothing here needs nccl.h or CUDA
-// headers at build time. Values and layouts follow NCCL's public API (stable since 2.18).
+// headers at build time. Values and layouts follow NCCL's public API (stable since 2.18);
+// tests/cpp/test_nccl_abi.cpp compiles them against the real nccl.h of the nvidia-nccl wheel and
+// checks every size, value, field offset and function signature.
 #pragma once
 
 #include <climits>
 #include <cstddef>
+#include <cstdint>
 
 namespace resilient_comm::nccl {
 
-using ncclComm_t = struct ncclComm*;
-using cudaStream_t = void*;
+struct ncclComm;
+using ncclComm_t = ncclComm*;
+struct CUstream_st;  // a distinct type, as CUDA's (the ABI test maps it onto the real one)
+using cudaStream_t = CUstream_st*;
 
 struct ncclUniqueId {
   char internal[128];
@@ -23,6 +28,7 @@ enum ncclResult_t : int {
   ncclInvalidUsage = 5,
   ncclRemoteError = 6,
   ncclInProgress = 7,
+  ncclTimeout = 8,  // 2.25+
 };
 
 enum ncclDataType_t : int {
@@ -36,13 +42,19 @@ enum ncclDataType_t : int {
   ncclFloat32 = 7,
   ncclFloat64 = 8,
   ncclBfloat16 = 9,
+  ncclFloat8e4m3 = 10,  // 2.24+
+  ncclFloat8e5m2 = 11,
 };
 
-enum ncclRedOp_t : int { ncclSum = 0, ncclProd = 1, ncclMax = 2, ncclMin = 3, ncclAvg = 4 };
+// Ops from ncclNumOps on are a communicator's own (ncclRedOpCreatePreMulSum, not used: PREMUL_SUM
+// scales the input, then sums).
+enum ncclRedOp_t : int { ncclSum = 0, ncclProd = 1, ncclMax = 2, ncclMin = 3, ncclAvg = 4, ncclNumOps = 5 };
+
 
 constexpr int kNcclSplitNoColor = -1;
 constexpr int kNcclShrinkDefault = 0;
 constexpr int kNcclShrinkAbort = 1;
+constexpr int kNcclRevokeDefault = 0;
 constexpr unsigned int kNcclApiMagic = 0xcafebeef;
 constexpr int kNcclConfigUndefInt = INT_MIN;
 
@@ -51,9 +63,10 @@ constexpr int ncclVersionCode(int x, int y, int z) {
   return (x <= 2 && y <= 8) ? x * 1000 + y * 100 + z : x * 10000 + y * 100 + z;
 }
 
-// The leading fields of ncclConfig_t as of NCCL 2.18. NCCL reads `size` and `version` to
-// know which fields a caller's struct has, so passing this prefix is valid for every later
-// release.
+// The leading fields of ncclConfig_t as of NCCL 2.18. NCCL copies `size` bytes of a caller's
+// config over its defaults and ignores fields newer than `version` (init.cc parseCommConfig), so
+// passing this prefix is valid for every later release. `size` covers the fields only, not the
+// struct's tail padding (which would overlap the next real field).
 struct ncclConfig_v21800 {
   size_t size;
   unsigned int magic;
@@ -70,7 +83,7 @@ using ncclConfig_t = ncclConfig_v21800;
 // A config for a non-blocking communicator (everything else left to NCCL's defaults).
 inline ncclConfig_t nonBlockingConfig() {
   ncclConfig_t c{};
-  c.size = sizeof(ncclConfig_t);
+  c.size = offsetof(ncclConfig_t, splitShare) + sizeof(c.splitShare);
   c.magic = kNcclApiMagic;
   c.version = static_cast<unsigned int>(ncclVersionCode(2, 18, 0));
   c.blocking = 0;

@@ -53,6 +53,17 @@ std::shared_ptr<TcpCommunicator> TcpCommunicator::join(TcpOptions opts, int exis
   return comm;
 }
 
+std::shared_ptr<TcpCommunicator> TcpCommunicator::fromAddressBook(TcpOptions opts, std::shared_ptr<Listener> listener,
+                                                                 std::vector<std::string> addrs, std::string epoch,
+                                                                 const Deadline& initDeadline) {
+  std::shared_ptr<TcpCommunicator> comm(new TcpCommunicator(std::move(opts)));
+  comm->listener_ = std::move(listener);
+  comm->addrs_ = std::move(addrs);
+  comm->epoch_ = std::move(epoch);
+  comm->start([](TcpCommunicator& c, const Deadline& dl) { return c.buildMesh(dl, /*derived=*/false); }, initDeadline);
+  return comm;
+}
+
 TcpCommunicator::~TcpCommunicator() = default;
 
 Caps TcpCommunicator::transportCaps() {

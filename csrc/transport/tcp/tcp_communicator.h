@@ -74,6 +74,12 @@ class TcpCommunicator : public CommLifecycle, public std::enable_shared_from_thi
   // A joiner of a grow (a hot spare): opts.rank in [existingSize, opts.size); opts.store and
   // opts.prefix are the store and join key the existing members pass to grow().
   static std::shared_ptr<TcpCommunicator> join(TcpOptions opts, int existingSize, const Deadline& dl);
+  // A communicator over an address book already known (the NCCL emulator's bootstrap): every
+  // rank's listening address by rank, this rank's `listener` among them, and `epoch`, the name
+  // every member gives it (its identity on the wire). No store is used; opts.store may be null.
+  static std::shared_ptr<TcpCommunicator> fromAddressBook(TcpOptions opts, std::shared_ptr<Listener> listener,
+                                                          std::vector<std::string> addrs, std::string epoch,
+                                                          const Deadline& initDeadline);
   ~TcpCommunicator() override;
 
   Caps caps() const override {

@@ -1,0 +1,220 @@
+#include "transport/nccl/nccl_handle.h"
+
+#include "common/check.h"
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
+#include "watchdog/reaper.h"
+
+namespace resilient_comm::nccl {
+
+Status NcclHandle::acquire(const Deadline& dl, AbortToken& abort) {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    if (aborting_) {
+      return Status(StatusCode::kAborted, "the NCCL communicator of " + name_ + " is being aborted");
+    }
+    if (!busy_) {
+      busy_ = true;
+      return Status::ok();
+    }
+    if (abort.aborted()) {
+      return Status(StatusCode::kAborted, "communicator aborted: " + abort.reason());
+    }
+    if (dl.passed()) {
+      return Status(StatusCode::kTimeout, "the NCCL communicator of " + name_ + " stayed busy until the deadline");
+    }
+    cv_.wait_for(lock, std::chrono::milliseconds(1));
+  }
+}
+
+void NcclHandle::releaseTurn() {
+  std::lock_guard<std::mutex> lock(mu_);
+  busy_ = false;
+  cv_.notify_all();
+}
+
+Result<ncclResult_t> NcclHandle::settleInTurn(const Deadline& dl, AbortToken& abort) {
+  // A launch settles in tens of microseconds (NCCL's launch thread), less than a timed sleep's
+  // slack: yield for the first 200 us, then back off.
+  const auto spinUntil = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
+  std::chrono::microseconds pause(50);
+  for (;;) {
+    ncclResult_t async = ncclSuccess;
+    ncclResult_t r = api_->commGetAsyncError(comm(), &async);
+    if (r != ncclSuccess) {
+      return r;
+    }
+    if (async != ncclInProgress) {
+      unsettled_ = false;
+      std::vector<std::shared_ptr<NcclHandle>> settledChildren;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        settledChildren.swap(children_);  // written by now: NCCL is done with their slots
+      }
+      return async;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (aborting_) {
+        return Status(StatusCode::kAborted, "the NCCL communicator of " + name_ + " is being aborted");
+      }
+    }
+    if (abort.aborted()) {
+      return Status(StatusCode::kAborted, "communicator aborted: " + abort.reason());
+    }
+    if (dl.passed()) {
+      return Status(StatusCode::kTimeout, "an NCCL call on " + name_ + " did not settle before the deadline");
+    }
+    if (std::chrono::steady_clock::now() < spinUntil) {
+      std::this_thread::yield();
+      continue;
+    }
+    abort.waitFor(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(2000));
+  }
+}
+
+Result<ncclResult_t> NcclHandle::call(const std::function<ncclResult_t(ncclComm_t)>& fn, const Deadline& dl,
+                                      AbortToken& abort, bool evenAfterError) {
+  RC_RETURN_IF_ERROR(acquire(dl, abort));
+  Result<ncclResult_t> previous = unsettled_ ? settleInTurn(dl, abort) : Result<ncclResult_t>(ncclSuccess);
+  if (!previous.isOk() || (previous.value() != ncclSuccess && !evenAfterError)) {
+    releaseTurn();
+    return previous;
+  }
+  ncclResult_t r = fn(comm());
+  if (r == ncclInProgress) {
+    unsettled_ = true;
+  }
+  releaseTurn();
+  return r;
+}
+
+Result<ncclResult_t> NcclHandle::settle(const Deadline& dl, AbortToken& abort) {
+  RC_RETURN_IF_ERROR(acquire(dl, abort));
+  Result<ncclResult_t> r = comm() == nullptr ? Result<ncclResult_t>(ncclSuccess) : settleInTurn(dl, abort);
+  releaseTurn();
+  return r;
+}
+
+std::optional<ncclResult_t> NcclHandle::tryAsyncError() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (busy_ || aborting_ || comm() == nullptr) {
+      return std::nullopt;
+    }
+    busy_ = true;
+  }
+  ncclResult_t async = ncclSuccess;
+  ncclResult_t r = api_->commGetAsyncError(comm(), &async);
+  releaseTurn();
+  if (r != ncclSuccess) {
+    return std::nullopt;
+  }
+  return async;
+}
+
+bool NcclHandle::aborting() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return aborting_;
+}
+
+Status NcclHandle::reset(std::chrono::milliseconds bound) {
+  ncclComm_t c = comm();
+  if (c != nullptr && !Reaper::run([api = api_, c] { api->commAbort(c); }, bound, "ncclCommAbort of " + name_)) {
+    return Status(StatusCode::kInternal, "ncclCommAbort of the abandoned child of " + name_ + " did not return");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  __atomic_store_n(&comm_, static_cast<ncclComm_t>(nullptr), __ATOMIC_RELEASE);
+  unsettled_ = false;
+  busy_ = false;
+  aborting_ = false;
+  return Status::ok();
+}
+
+void NcclHandle::adopt(std::shared_ptr<NcclHandle> child) {
+  std::lock_guard<std::mutex> lock(mu_);
+  children_.push_back(std::move(child));
+}
+
+bool NcclHandle::abort(bool wait, std::chrono::milliseconds bound) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (aborting_) {
+      return false;
+    }
+    aborting_ = true;
+    cv_.notify_all();
+  }
+  auto job = [self = shared_from_this()] {
+    {
+      std::unique_lock<std::mutex> lock(self->mu_);
+      self->cv_.wait(lock, [&] { return !self->busy_; });
+      self->busy_ = true;  // for good: nothing may call in after an abort
+    }
+    if (ncclComm_t c = self->comm()) {
+      self->api_->commAbort(c);
+    }
+    std::vector<std::shared_ptr<NcclHandle>> children;
+    std::lock_guard<std::mutex> lock(self->mu_);
+    children.swap(self->children_);
+  };
+  const std::string what = "ncclCommAbort of " + name_;
+  if (wait) {
+    return Reaper::run(job, bound, what);
+  }
+  Reaper::start(job, bound, what);
+  return true;
+}
+
+void NcclHandle::finalize(std::chrono::milliseconds bound) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (aborting_) {
+      return;
+    }
+    aborting_ = true;
+    cv_.notify_all();
+  }
+  auto job = [self = shared_from_this(), bound] {
+    {
+      std::unique_lock<std::mutex> lock(self->mu_);
+      self->cv_.wait(lock, [&] { return !self->busy_; });
+      self->busy_ = true;
+    }
+    ncclComm_t c = self->comm();
+    if (c == nullptr) {
+      return;
+    }
+    NcclApi& api = *self->api_;
+    ncclResult_t r = api.commFinalize(c);
+    Deadline dl = Deadline::after(bound);
+    while (r == ncclInProgress || r == ncclSuccess) {
+      ncclResult_t async = ncclSuccess;
+      if (api.commGetAsyncError(c, &async) != ncclSuccess) {
+        r = ncclInternalError;
+        break;
+      }
+      if (async != ncclInProgress) {
+        r = async;
+        break;
+      }
+      if (dl.passed()) {
+        r = ncclInProgress;  // peers gone: it will never settle
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    if (r == ncclSuccess) {
+      api.commDestroy(c);
+    } else {
+      api.commAbort(c);
+    }
+  };
+  Reaper::start(job, 2 * bound, "finalizing the NCCL communicator of " + name_);
+}
+
+}  // namespace resilient_comm::nccl

@@ -1,0 +1,2 @@
+// See cuda_runtime.h: nothing of it is used by nccl.h.
+#pragma once
