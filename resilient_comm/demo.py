@@ -119,6 +119,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"of every group) resumed at step {tl['resume_step']} ({ours.redone} step redone) and finished all "
                   f"{a.steps} steps in the same processes.")
         print(f"SIGKILL -> first committed step on every member: {1e3 * (ours.first_commit_s or 0):.1f} ms.")
+        if ours.nccl_emulator:
+            st = ours.nccl_emulator
+            print(f"NCCL code path: the {len(st)} survivors ran {min(x['kernels'] for x in st)}-"
+                  f"{max(x['kernels'] for x in st)} kernels each on the NCCL emulator; {sum(x['revokes'] for x in st)} "
+                  f"ncclCommRevoke (every group of the failed epoch), {sum(x['shrinks'] for x in st)} ncclCommShrink "
+                  f"(the world), {sum(x['misuse'] for x in st)} uses of a freed communicator.")
         if a.compare_torchrun:
             print("\nthe same run as a torchrun elastic restart from checkpoint (gloo), with torch's defaults ...",
                   flush=True)

@@ -60,3 +60,19 @@ def test_backends_are_registered() -> None:
         assert name in dist.Backend.backend_list
     assert dist.Backend.backend_capability["resilient_tcp"] == ["cpu"]
     assert dist.Backend.backend_capability["resilient_nccl"] == ["cpu", "cuda"]
+
+
+@pytest.mark.timeout(120)
+def test_demo_recovers_on_the_nccl_code_path() -> None:
+    """`resilient-comm demo --nccl-emulated`: the controller's whole recovery (the op error, the
+    revokes, ncclCommShrink, the state copy) on resilient_nccl through the NCCL emulator."""
+    out = subprocess.run([sys.executable, "-m", "resilient_comm.cli", "demo", "--nccl-emulated", "--steps", "20",
+                          "--kill-step", "12", "--ckpt-every", "5"], capture_output=True, text=True, timeout=110,
+                         check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "resilient_nccl on the NCCL emulator" in out.stdout, out.stdout
+    assert "finished all 20 steps in the same processes" in out.stdout, out.stdout
+    line = next(x for x in out.stdout.splitlines() if x.startswith("NCCL code path:"))
+    assert "the 3 survivors" in line and " 3 ncclCommShrink" in line and " 0 uses of a freed" in line, line
+    first = next(x for x in out.stdout.splitlines() if x.startswith("SIGKILL -> first committed step"))
+    assert float(first.split(":")[1].split()[0]) < 2000, first  # ms; tens of ms on an idle machine

@@ -22,15 +22,8 @@ Watchdog::Id Watchdog::watch(const Deadline& deadline, std::function<void()> onE
   std::lock_guard<std::mutex> lock(mu_);
   Id id = next_++;
   auto fireAt = deadline.isNever() ? Deadline::Clock::time_point::max() : deadline.at() + grace_;
-  bool earliest = true;
-  for (const auto& [_, e] : entries_) {
-    if (e.fireAt <= fireAt) {
-      earliest = false;
-      break;
-    }
-  }
   entries_.emplace(id, Entry{fireAt, std::move(onExpire)});
-  if (earliest) {
+  if (fireAt < wakeAt_) {  // only an earlier wake-up needs the thread now (a wake costs the caller)
     cv_.notify_one();
   }
   return id;
@@ -58,7 +51,9 @@ void Watchdog::kick() {
   auto soon = Deadline::Clock::now() + std::chrono::duration_cast<Deadline::Clock::duration>(kBusyPoll);
   if (soon < nextPoll_) {
     nextPoll_ = soon;
-    cv_.notify_one();
+    if (soon < wakeAt_) {
+      cv_.notify_one();
+    }
   }
 }
 
@@ -76,11 +71,13 @@ void Watchdog::loop() {
     for (const auto& [_, e] : entries_) {
       next = std::min(next, e.fireAt);
     }
+    wakeAt_ = next;
     if (next == Deadline::Clock::time_point::max()) {
       cv_.wait(lock);
     } else {
       cv_.wait_until(lock, next);
     }
+    wakeAt_ = Deadline::Clock::time_point::min();  // awake: nobody needs to wake it
     auto now = Deadline::Clock::now();
     std::vector<std::function<void()>> fired;
     for (auto it = entries_.begin(); it != entries_.end();) {

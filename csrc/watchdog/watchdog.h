@@ -73,6 +73,9 @@ class Watchdog {
   std::vector<std::weak_ptr<Polled>> polled_;
   std::vector<std::function<bool()>> draining_;
   Deadline::Clock::time_point nextPoll_ = Deadline::Clock::time_point::max();
+  // When the sleeping thread wakes up by itself (min while it is awake): a registration due
+  // later needs no notify.
+  Deadline::Clock::time_point wakeAt_ = Deadline::Clock::time_point::min();
   Id next_ = 1;
   std::chrono::milliseconds grace_;
   std::thread thread_;

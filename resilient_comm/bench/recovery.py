@@ -74,6 +74,7 @@ class Run:
     world_after: int | None = None
     phases_ms: dict[str, float] = field(default_factory=dict)
     timelines: list[dict[str, Any]] = field(default_factory=list)  # ours: each survivor's
+    nccl_emulator: list[dict[str, Any]] = field(default_factory=list)  # ours on the emulated NCCL: each survivor's stats
     note: str = ""
 
 
@@ -159,6 +160,7 @@ def run_ours(nproc: int, rep: int, s: Settings, root: str, sigstop: bool = False
         run.note = "the victim never reached its step"
         return run
     _from_timelines(run, fault_t, events)
+    run.nccl_emulator = [e["stats"] for e in events if e["event"] == "nccl_emulator"]
     run.note = f"launcher status {status}"
     return run
 

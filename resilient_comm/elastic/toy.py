@@ -254,6 +254,10 @@ def run_elastic(a: argparse.Namespace) -> int:
                     "recoveries": [tl.as_dict() for tl in ctl.recoveries]}, os.path.join(a.dump, f"final-{rank}.pt"))
     if trace:
         torch.save(trace, a.trace)
+    if a.backend == "resilient_nccl" and os.environ.get("RESILIENT_COMM_NCCL_EMULATE") == "1":
+        from resilient_comm import _C
+
+        events.write("nccl_emulator", stats=_C.nccl_emulator_stats())  # evidence of the NCCL code path
     events.write("done", committed=ctl.committed, members=ctl.members)
     ctl.close()
     return 0
