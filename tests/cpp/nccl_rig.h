@@ -5,15 +5,18 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <chrono>
+#include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
-#include "check.h"
 #include "device/emulated_device.h"
 #include "transport/nccl/emulator/nccl_emulator.h"
 #include "transport/nccl/nccl_communicator.h"
+
+#include "check.h"  // last: it replaces c10's CHECK
 
 namespace rc_test {
 
@@ -40,14 +43,28 @@ bool eventually(Pred pred, int ms = 3000) {
   return true;
 }
 
-// Runs fn(rank) on n threads at once and joins them.
+// Runs fn(rank) on n threads at once and joins them; a failed CHECK on any rank is rethrown here.
 inline void onEachRank(int n, const std::function<void(int)>& fn) {
   std::vector<std::thread> ts;
+  std::mutex mu;
+  std::exception_ptr first;
   for (int r = 0; r < n; ++r) {
-    ts.emplace_back(fn, r);
+    ts.emplace_back([&, r] {
+      try {
+        fn(r);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!first) {
+          first = std::current_exception();
+        }
+      }
+    });
   }
   for (auto& t : ts) {
     t.join();
+  }
+  if (first) {
+    std::rethrow_exception(first);
   }
 }
 

@@ -5,9 +5,8 @@
 #include <cstdlib>
 #include <thread>
 
-#include "check.h"
 #include "common/check.h"
-#include "nccl_rig.h"
+#include "nccl_rig.h"  // includes check.h last
 #include "watchdog/reaper.h"
 
 using namespace resilient_comm;

@@ -3,8 +3,7 @@
 #include <cstring>
 #include <thread>
 
-#include "check.h"
-#include "nccl_rig.h"
+#include "nccl_rig.h"  // includes check.h last
 
 using namespace resilient_comm;
 using namespace resilient_comm::nccl;
