@@ -4,7 +4,9 @@
 
 - ``resilient_tcp``: CPU tensors over resilient_comm's own TCP transport.
 - ``resilient_nccl``: CPU tensors over TCP; CUDA tensors over NCCL, loaded at run time
-  (RESILIENT_COMM_NCCL_LIB, the libnccl torch loaded, or the nvidia-nccl wheel).
+  (RESILIENT_COMM_NCCL_LIB, the libnccl torch loaded, or the nvidia-nccl wheel), stream-ordered
+  as ProcessGroupNCCL (docs/nccl.md). With RESILIENT_COMM_NCCL_EMULATE=1, CPU tensors go through
+  the NCCL communicator on the NCCL emulator instead: the NCCL code path without a GPU.
 - ``resilient_hccl`` (where torch_npu is installed): CPU tensors over TCP; NPU tensors over
   HCCL, loaded at run time (RESILIENT_COMM_HCCL_LIB or libhccl.so); never run on Ascend
   hardware yet (docs/hccl.md).

@@ -56,6 +56,7 @@ def _loop_then_shrink(ctx: WorkerContext, victim: int, env: dict, op_timeout_s: 
         failed_at = time.time()
         err = f"{type(e).__name__}: {e}"
     pg = dist.group.WORLD
+    assert pg is not None
     errored = repr(resilient_comm.errored(pg))
     get_error = str(pg._get_backend(torch.device("cpu")).get_error())
     t0 = time.monotonic()
@@ -85,8 +86,8 @@ def test_sigkill_mid_loop_every_survivor_errors_fast_and_shrinks(case: str) -> N
     op_timeout = 1.5 if mode == "hang" else 30.0
     world, victim = 4, 2
     with start_workers(_loop_then_shrink, world, victim, env, op_timeout, timeout_s=60) as w:
-        for r in range(world):
-            w.wait_key(f"looping/{r}")
+        for rank in range(world):
+            w.wait_key(f"looping/{rank}")
         w.kill(victim, signal.SIGKILL)
         killed_at = time.time()
         results = w.join()

@@ -300,7 +300,9 @@ def latencies_ws1() -> None:
     import resilient_comm
     from resilient_comm import _C
 
-    inits, idle, mid = [], [], []
+    inits: list[float] = []
+    idle: list[float] = []
+    mid: list[float] = []
     for _ in range(5):
         t0 = time.perf_counter()
         text = _C.nccl_init_check(60.0)

@@ -100,8 +100,8 @@ def worker(ctx: WorkerContext) -> dict:
 def main() -> int:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     with start_workers(worker, n, timeout_s=120) as w:
-        for r in range(n):
-            w.wait_key(f"looping/{r}")
+        for rank in range(n):
+            w.wait_key(f"looping/{rank}")
         w.kill(n - 1, signal.SIGKILL)
         w.store.set("killed", repr(time.time()))
         results = w.join()
