@@ -242,7 +242,7 @@ Status ResilientBackend::commError() const {
 }
 
 std::shared_ptr<Communicator> ResilientBackend::deviceComm() const {
-  std::lock_guard<std::mutex> lock(const_cast<std::mutex&>(mu_));
+  std::lock_guard<std::mutex> lock(mu_);
   return device_;
 }
 

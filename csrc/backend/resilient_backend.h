@@ -220,7 +220,7 @@ class ResilientBackend : public c10d::Backend {
   void finishTask(Task& task, const Status& st);
   void runP2PGroup(std::vector<Task>& group);
   CommErrorInfo site(const char* op) const;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Task> queue_;
   bool stopping_ = false;

@@ -1,6 +1,7 @@
 #include "comm/pending_op.h"
 
 #include <algorithm>
+#include <thread>
 #include <utility>
 
 namespace resilient_comm {
@@ -44,7 +45,9 @@ Result<bool> PendingOp::blockCurrentStream() {
 }
 
 Status PendingOp::hostWait(const Deadline& dl, AbortToken* abort) {
-  std::chrono::microseconds pause(5);
+  // Short ops end within a timed sleep's slack (50 us): yield for the first 200 us, then back off.
+  const auto spinUntil = Deadline::Clock::now() + std::chrono::microseconds(200);
+  std::chrono::microseconds pause(50);
   for (;;) {
     Status st = poll();
     if (st.code() != StatusCode::kInProgress) {
@@ -55,6 +58,10 @@ Status PendingOp::hostWait(const Deadline& dl, AbortToken* abort) {
     }
     if (dl.passed()) {
       return Status(StatusCode::kTimeout, what_ + " did not complete on the device before its deadline");
+    }
+    if (Deadline::Clock::now() < spinUntil) {
+      std::this_thread::yield();
+      continue;
     }
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait_for(lock, pause, [&] { return outcome_.code() != StatusCode::kInProgress; });

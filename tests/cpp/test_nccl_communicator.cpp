@@ -36,6 +36,26 @@ void killRank(World& w, int r) {
   w.comms[r].reset();
 }
 
+// The two members of `w` grow to three with one joiner (a hot spare), each on its own thread;
+// returns the grown communicators.
+std::vector<std::shared_ptr<Communicator>> growByOneJoiner(World& w) {
+  std::vector<std::shared_ptr<Communicator>> grown(3);
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  onEachRank(3, [&](int r) {
+    if (r < 2) {
+      auto g = w[r].grow(3, store, "grow/", in(5000));
+      CHECK(g.isOk()) << g.status().toString();
+      grown[r] = g.take();
+    } else {
+      NcclOptions jo{"t", store, "grow/", 2, 3};
+      auto j = NcclCommunicator::join(w.api, device::emu::makeEmulatedStreamOps(0), jo, in(5000));
+      CHECK(j.isOk()) << j.status().toString();
+      grown[r] = j.take();
+    }
+  });
+  return grown;
+}
+
 std::vector<Communicator*> ptrs(World& w) {
   std::vector<Communicator*> out;
   for (auto& c : w.comms) {
@@ -360,20 +380,7 @@ TEST(nccl_versions_without_shrink_split_grow_fall_back_to_a_fresh_init) {
   });
   CHECK(allReduceOnEach({kids[0].get(), kids[1].get()}));
   CHECK(w.api->stats().splits == 0 && w.api->stats().inits == 4);
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  std::vector<std::shared_ptr<Communicator>> grown(3);
-  onEachRank(3, [&](int r) {
-    if (r < 2) {
-      auto g = w[r].grow(3, store, "grow/", in(5000));
-      CHECK(g.isOk()) << g.status().toString();
-      grown[r] = g.take();
-    } else {
-      NcclOptions jo{"t", store, "grow/", 2, 3};
-      auto j = NcclCommunicator::join(w.api, device::emu::makeEmulatedStreamOps(0), jo, in(5000));
-      CHECK(j.isOk()) << j.status().toString();
-      grown[r] = j.take();
-    }
-  });
+  auto grown = growByOneJoiner(w);
   CHECK(allReduceOnEach({grown[0].get(), grown[1].get(), grown[2].get()}));
   CHECK(w.api->stats().grows == 0);
 }
@@ -381,20 +388,7 @@ TEST(nccl_versions_without_shrink_split_grow_fall_back_to_a_fresh_init) {
 TEST(nccl_native_grow_adds_a_joiner) {
   World w = makeWorld(2, {});
   allReady(w);
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  std::vector<std::shared_ptr<Communicator>> grown(3);
-  onEachRank(3, [&](int r) {
-    if (r < 2) {
-      auto g = w[r].grow(3, store, "grow/", in(5000));
-      CHECK(g.isOk()) << g.status().toString();
-      grown[r] = g.take();
-    } else {
-      NcclOptions jo{"t", store, "grow/", 2, 3};
-      auto j = NcclCommunicator::join(w.api, device::emu::makeEmulatedStreamOps(0), jo, in(5000));
-      CHECK(j.isOk()) << j.status().toString();
-      grown[r] = j.take();
-    }
-  });
+  auto grown = growByOneJoiner(w);
   CHECK(allReduceOnEach({grown[0].get(), grown[1].get(), grown[2].get()}));
   CHECK(w.api->stats().grows == 3 && w.api->stats().inits == 2);
   CHECK(w.api->stats().misuse == 0);
