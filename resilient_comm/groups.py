@@ -131,10 +131,17 @@ def join(
     new_size: int,
     existing_size: int,
     timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+    device: torch.device | None = None,
 ) -> dist.ProcessGroup:
-    """A joiner's (hot spare's) side of grow(): becomes rank `rank` of the new default group."""
+    """A joiner's (hot spare's) side of grow(): becomes rank `rank` of the new default group.
+
+    The group's backend is the members'. If their group carries CUDA tensors, its NCCL
+    communicator grows too (ncclCommGrow where NCCL has it) and the joiner joins it on `device`
+    (default: the current CUDA device)."""
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
     backend = _C.join_backend(store, join_key, rank, new_size, existing_size, timeout.total_seconds(),
-                              f"grown:{join_key}")
+                              f"grown:{join_key}", device)
     return _adopt(backend, store=store, name=f"grown:{join_key}", global_ranks=list(range(new_size)),
                   make_default=True)
 

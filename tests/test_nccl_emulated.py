@@ -233,3 +233,102 @@ def test_a_hung_device_op_times_out_and_the_group_stays_failed() -> None:
     assert 0.9 < v["took"] < 2.5, v["took"]
     assert v["again"].startswith("CommTimeoutError"), v["again"]
     assert v["again_s"] < 0.2, v["again_s"]
+
+
+def _grow_then_split(ctx: WorkerContext, existing: int, device_before: bool) -> dict:
+    import resilient_comm
+    from resilient_comm import _C
+
+    _emulate(RESILIENT_COMM_NCCL_EMULATE_KERNEL_US="200")
+    store = ctx.store()
+    res: dict = {}
+    if ctx.rank < existing:
+        dist.init_process_group("resilient_nccl", store=dist.PrefixStore("world/", store), rank=ctx.rank,
+                                world_size=existing, timeout=datetime.timedelta(seconds=20))
+        if device_before:  # the group's NCCL communicator exists before the grow: it grows with it
+            x = torch.ones(8)
+            dist.all_reduce(x)
+            res["before"] = x[0].item()
+        before = _C.nccl_emulator_stats()
+        resilient_comm.grow(ctx.world_size, store, "grow/1/")
+    else:
+        before = _C.nccl_emulator_stats()
+        resilient_comm.join(store, "grow/1/", ctx.rank, ctx.world_size, existing,
+                            timeout=datetime.timedelta(seconds=20))
+    t0 = time.monotonic()
+    x = torch.full((1024,), float(ctx.rank + 1))
+    dist.all_reduce(x)
+    res["grown_sum"] = x[0].item()
+    res["grown_s"] = time.monotonic() - t0
+    res["backend"] = dist.group.WORLD._get_backend(torch.device("cpu")).name()
+    sub = resilient_comm.split(ctx.rank % 2, key=ctx.rank)
+    y = torch.full((1024,), float(ctx.rank + 1))
+    work = dist.all_reduce(y, group=sub, async_op=True)
+    work.wait()
+    res["split_sum"] = y[0].item()
+    after = _C.nccl_emulator_stats()
+    res["calls"] = {k: after[k] - before[k] for k in ("inits", "grows", "splits")}
+    res["misuse"] = after["misuse"]
+    dist.destroy_process_group()
+    return res
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("device_before", [True, False], ids=["nccl-comm-grows", "made-after-grow"])
+def test_grow_with_a_joiner_then_split_stay_on_the_nccl_path(device_before: bool) -> None:
+    n, existing = 4, 3
+    results = run_workers(_grow_then_split, n, existing, device_before, timeout_s=60)
+    for res in results:
+        assert res.ok, res.error
+        v = res.value
+        assert v["backend"] == "resilient_nccl", "the joiner takes the members' backend"
+        assert v["grown_sum"] == 1 + 2 + 3 + 4, v
+        assert v["grown_s"] < 5.0, f"rank {res.rank}: first op after the grow took {v['grown_s']:.1f} s"
+        assert v["split_sum"] == (1 + 3 if res.rank % 2 == 0 else 2 + 4), v
+        assert v["misuse"] == 0, v
+        calls = v["calls"]
+        if device_before:
+            # Members grow their communicator (ncclCommGrow) and joiners join it; the split is an
+            # ncclCommSplit of it: no fresh init anywhere.
+            assert calls == {"inits": 0, "grows": 1, "splits": 1}, (res.rank, calls)
+            assert v.get("before", 3.0) == 3.0
+        else:
+            # Nobody had one: the grown group makes it on first use (bootstrapping under the same
+            # name on members and joiners), and the split splits it.
+            assert calls == {"inits": 1, "grows": 0, "splits": 1}, (res.rank, calls)
+
+
+def _split_before_any_device_op(ctx: WorkerContext) -> dict:
+    import resilient_comm
+
+    _emulate()
+    ctx.init("resilient_nccl", timeout_s=20)
+    # Two splits of a group that has no NCCL communicator yet, two colors each: every subgroup
+    # makes its own on first use and must not meet another's bootstrap.
+    subs = [resilient_comm.split(ctx.rank % 2), resilient_comm.split(ctx.rank // 2)]
+    names = [sub._get_backend(torch.device("cpu")).group_name for sub in subs]
+    sums = []
+    for sub in subs:
+        x = torch.full((256,), float(ctx.rank + 1))
+        dist.all_reduce(x, group=sub)
+        sums.append(x[0].item())
+    dist.destroy_process_group()
+    return {"sums": sums, "names": names}
+
+
+@pytest.mark.timeout(60)
+def test_subgroups_of_a_split_make_their_own_nccl_communicators() -> None:
+    results = run_workers(_split_before_any_device_op, 4, timeout_s=40)
+    for res in results:
+        assert res.ok, res.error
+        r = res.rank
+        by_parity = 1 + 3 if r % 2 == 0 else 2 + 4
+        by_half = 1 + 2 if r < 2 else 3 + 4
+        assert res.value["sums"] == [by_parity, by_half], (r, res.value)
+    # The name a subgroup's NCCL communicator bootstraps under: shared by its members, distinct
+    # between subgroups (two subgroups under one name would meet in the store when their inits
+    # overlap).
+    names = {(i, members): {results[r].value["names"][i] for r in members}
+             for i, groups in enumerate([((0, 2), (1, 3)), ((0, 1), (2, 3))]) for members in groups}
+    assert all(len(v) == 1 for v in names.values()), names
+    assert len({next(iter(v)) for v in names.values()}) == 4, names

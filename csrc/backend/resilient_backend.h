@@ -23,6 +23,7 @@
 // unhealthy, then joins the worker.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -41,6 +42,20 @@
 
 namespace resilient_comm {
 
+namespace nccl {
+class NcclApi;
+}
+namespace device {
+class StreamOps;
+}
+
+// A grown group's name: kGrownPrefix + the join key, on members and joiners alike.
+inline constexpr const char* kGrownPrefix = "grown:";
+// Under the join key: what the members' rank 0 says about the group ("<backend> nccl|none"),
+// and the prefix of the grown NCCL communicator's bootstrap keys.
+inline constexpr const char* kGrowDeviceKey = "device";
+inline constexpr const char* kGrowNcclPrefix = "nccl/";
+
 struct BackendOptions {
   std::string backendName;  // "resilient_tcp" or "resilient_nccl"
   std::string groupName;
@@ -55,10 +70,13 @@ class ResilientBackend : public c10d::Backend {
   ~ResilientBackend() override;
 
   // A hot spare's side of a grow: rank in [existingSize, newSize), meeting the members that
-  // call grow(newSize, store, joinKey).
+  // call grow(newSize, store, joinKey). The group's backend comes from the members (as does
+  // whether their NCCL communicator grows; the joiner then joins it on `device`, which must be
+  // a CUDA device unless emulating); opts.backendName is ignored.
   static c10::intrusive_ptr<ResilientBackend> join(const c10::intrusive_ptr<c10d::Store>& store,
                                                    const std::string& joinKey, int rank, int newSize,
-                                                   int existingSize, BackendOptions opts);
+                                                   int existingSize, BackendOptions opts,
+                                                   std::optional<at::Device> device = std::nullopt);
 
   bool supportsShrinking() const override {
     return true;
@@ -81,12 +99,18 @@ class ResilientBackend : public c10d::Backend {
   // Every member calls it; members with the same color form a group ordered by key (ties by
   // rank). A negative color takes part without joining: returns null.
   c10::intrusive_ptr<ResilientBackend> splitByColor(int color, int key);
-  // Every member calls it, while the joiners call join(); members keep their ranks.
+  // Every member calls it, while the joiners call join(); members keep their ranks. The grown
+  // group is named kGrownPrefix + joinKey on every rank (the name its device communicator
+  // bootstraps under), and its NCCL communicator, if any, grows with it.
   c10::intrusive_ptr<ResilientBackend> grow(int newSize, const c10::intrusive_ptr<c10d::Store>& store,
                                             const std::string& joinKey);
 
   const std::string getBackendName() const override {
     return opts_.backendName;
+  }
+  // The group's name in errors and in its device communicator's bootstrap keys.
+  const std::string& groupName() const {
+    return opts_.groupName;
   }
   void setTimeout(std::chrono::milliseconds timeout) override;
   c10::intrusive_ptr<Options> getBackendOptions() override;
@@ -166,13 +190,25 @@ class ResilientBackend : public c10d::Backend {
   std::shared_ptr<Communicator> commFor(const std::vector<at::Tensor>& tensors, const char* op);
   // The device communicator for `dev`, made on first use (for CPU tensors when emulating).
   std::shared_ptr<Communicator> deviceCommFor(const at::Device& dev, const char* op);
+  struct NcclRuntime {
+    std::shared_ptr<nccl::NcclApi> api;
+    std::shared_ptr<device::StreamOps> streams;
+  };
+  // The NCCL library (the emulator for a CPU device) and the device's streams.
+  static Result<NcclRuntime> ncclRuntime(const at::Device& dev);
   Result<std::shared_ptr<Communicator>> makeNccl(const at::Device& dev);
   Result<std::shared_ptr<Communicator>> makeHccl(const at::Device& dev);
   void workerLoop();
 
-  // A child backend over `r`, or the error of the move as an exception.
+  // A child backend named `name` over `r`, or the error of the move as an exception.
   c10::intrusive_ptr<ResilientBackend> adopt(Result<std::shared_ptr<Communicator>> r, const char* move,
-                                             const std::string& suffix);
+                                             const std::string& name);
+  [[noreturn]] void throwMoveError(const char* move, const Status& st) const;
+  std::pair<std::shared_ptr<Communicator>, at::Device> deviceSnapshot() const;
+  // Gives `child` the device communicator a move of this group's made (`r`, on `dev`), or
+  // raises the move's error.
+  void handDevice(ResilientBackend* child, Result<std::shared_ptr<Communicator>> r, const at::Device& dev,
+                  const char* move) const;
 
   const BackendOptions opts_;
   std::chrono::milliseconds timeout_;
@@ -182,6 +218,7 @@ class ResilientBackend : public c10d::Backend {
   // resilient_hccl's NPU tensors), made on first use; guarded by mu_.
   std::shared_ptr<Communicator> device_;
   at::Device deviceOf_{at::kCPU};
+  std::atomic<int> splits_{0};  // splits of this group so far (every member splits in the same order)
 
   // A task runs `body`, or, for send/recv, contributes `p2p`: consecutive queued send/recv
   // tasks run as one group so that two ranks exchanging large messages do not deadlock.

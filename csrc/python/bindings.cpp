@@ -134,6 +134,8 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("grow", &ResilientBackend::grow, py::arg("new_size"), py::arg("store"), py::arg("join_key"),
            py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("group_name", &ResilientBackend::groupName,
+                             "the group's name in errors and in its device communicator's bootstrap keys")
       .def("comm_state",
            [](const ResilientBackend& b) { return std::string(resilient_comm::commStateName(b.cpuComm()->state())); })
       .def("comm_caps", [](const ResilientBackend& b) { return capsDict(b.cpuComm()->caps()); })
@@ -151,15 +153,15 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "join_backend",
       [](const c10::intrusive_ptr<c10d::Store>& store, const std::string& joinKey, int rank, int newSize,
-         int existingSize, double timeoutSeconds, const std::string& groupName) {
+         int existingSize, double timeoutSeconds, const std::string& groupName, std::optional<at::Device> device) {
         BackendOptions opts;
-        opts.backendName = "resilient_tcp";
-        opts.groupName = groupName;
+        opts.groupName = groupName;  // the backend's name comes from the members
         opts.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000.0));
-        return ResilientBackend::join(store, joinKey, rank, newSize, existingSize, std::move(opts));
+        return ResilientBackend::join(store, joinKey, rank, newSize, existingSize, std::move(opts), device);
       },
       py::arg("store"), py::arg("join_key"), py::arg("rank"), py::arg("new_size"), py::arg("existing_size"),
-      py::arg("timeout_seconds"), py::arg("group_name"));
+      py::arg("timeout_seconds"), py::arg("group_name"), py::arg("device") = py::none(),
+      py::call_guard<py::gil_scoped_release>());
 
   m.def("knobs", [] {
     py::list out;

@@ -248,12 +248,8 @@ void NcclCommunicator::disposeHandle() {
     return;
   }
   if (features_.revoke && handle_->comm() != nullptr) {
-    AbortToken none;  // this communicator's token fired already; the revoke must still go out
-    Result<ncclResult_t> r = handle_->call(
-        [&](ncclComm_t c) { return api_->commRevoke(c, kNcclRevokeDefault); }, Deadline::after(abortBound()), none,
-        /*evenAfterError=*/true);
+    Result<ncclResult_t> r = handle_->revokeOnce(Deadline::after(abortBound()));
     if (r.isOk() && (r.value() == ncclSuccess || r.value() == ncclInProgress)) {
-      revoked_ = true;
       return;  // its kernels stop; kept for a shrink
     }
   } else if (features_.shrink && handle_->comm() != nullptr) {

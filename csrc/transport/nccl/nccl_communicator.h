@@ -170,7 +170,6 @@ class NcclCommunicator : public CommLifecycle, public Polled, public std::enable
   AbortToken abort_;
   std::shared_ptr<NcclHandle> handle_;
   std::atomic<bool> disposed_{false};  // disposeHandle() ran
-  std::atomic<bool> revoked_{false};   // ncclCommRevoke was called on the handle
   std::atomic<uint64_t> seq_{0};
   int derived_ = 0;
 

@@ -93,6 +93,29 @@ Result<ncclResult_t> NcclHandle::call(const std::function<ncclResult_t(ncclComm_
   return r;
 }
 
+Result<ncclResult_t> NcclHandle::revokeOnce(const Deadline& dl) {
+  AbortToken none;  // the communicator's own token fired when it failed; the revoke still goes out
+  RC_RETURN_IF_ERROR(acquire(dl, none));
+  if (revoked_ || comm() == nullptr) {
+    releaseTurn();
+    return ncclSuccess;
+  }
+  if (unsettled_) {
+    Result<ncclResult_t> previous = settleInTurn(dl, none);
+    if (!previous.isOk()) {
+      releaseTurn();
+      return previous;
+    }
+  }
+  revoked_ = true;
+  ncclResult_t r = api_->commRevoke(comm(), kNcclRevokeDefault);
+  if (r == ncclInProgress) {
+    unsettled_ = true;
+  }
+  releaseTurn();
+  return r;
+}
+
 Result<ncclResult_t> NcclHandle::settle(const Deadline& dl, AbortToken& abort) {
   RC_RETURN_IF_ERROR(acquire(dl, abort));
   Result<ncclResult_t> r = comm() == nullptr ? Result<ncclResult_t>(ncclSuccess) : settleInTurn(dl, abort);

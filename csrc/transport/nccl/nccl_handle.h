@@ -65,6 +65,11 @@ class NcclHandle : public std::enable_shared_from_this<NcclHandle> {
   // The async error if the handle is free right now (the watchdog's poll); nullopt when it is
   // busy, aborted or empty.
   std::optional<ncclResult_t> tryAsyncError();
+  // ncclCommRevoke, once: the first caller issues it (after the previous call settled, whatever
+  // its result), later ones get ncclSuccess. Decided in turn, so a failure noticed by the
+  // watchdog and a shrink on the caller's thread never revoke twice (the second would be an
+  // ncclInvalidArgument) and the shrink's call always comes after the revoke.
+  Result<ncclResult_t> revokeOnce(const Deadline& dl);
 
   // Starts ncclCommAbort once (later calls do nothing and answer false). With `wait`, waits up
   // to `bound` for it (true if it returned); else returns at once (a stuck abort taints the
@@ -103,6 +108,7 @@ class NcclHandle : public std::enable_shared_from_this<NcclHandle> {
   bool busy_ = false;
   bool aborting_ = false;
   bool unsettled_ = false;  // the last call returned ncclInProgress and nobody settled it yet
+  bool revoked_ = false;    // ncclCommRevoke was issued (in turn)
   std::vector<std::shared_ptr<NcclHandle>> children_;
 };
 

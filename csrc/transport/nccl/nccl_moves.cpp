@@ -85,9 +85,8 @@ Result<std::shared_ptr<Communicator>> NcclCommunicator::shrink(const std::vector
   RC_ASSIGN_OR_RETURN(child, makeChild(plan.newRank, plan.newSize, prefix, opts_.store));
   AbortToken none;  // this communicator's own token fired when it failed; its shrink goes ahead
   Status st = Status::ok();
-  if (failed && features_.revoke && !revoked_.exchange(true)) {
-    Result<ncclResult_t> r = handle_->call([&](ncclComm_t c) { return api_->commRevoke(c, kNcclRevokeDefault); }, dl,
-                                           none, /*evenAfterError=*/true);
+  if (failed && features_.revoke) {  // (the watchdog may have revoked it already: then a no-op)
+    Result<ncclResult_t> r = handle_->revokeOnce(dl);
     st = r.isOk() ? mapError("ncclCommRevoke", r.value()) : r.status();
   }
   const int flags = failed && !features_.revoke ? kNcclShrinkAbort : kNcclShrinkDefault;
