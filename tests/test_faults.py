@@ -92,7 +92,12 @@ def test_sigkill_mid_allreduce_every_survivor_errors_fast(world_size: int, victi
 
 def _mismatched_sizes(ctx: WorkerContext) -> tuple[str, float]:
     ctx.init("resilient_tcp", timeout_s=OP_TIMEOUT_S)
-    dist.barrier()  # everyone is up: time only the mismatched op
+    # Everyone is up: time only the mismatched op. Through the store, not dist.barrier(): a rank
+    # may still be inside a barrier when a faster one reaches the mismatch, and the group's
+    # failure then fails that barrier too (correctly, but it is not what is under test).
+    store = ctx.store()
+    store.set(f"up/{ctx.rank}", "1")
+    store.wait([f"up/{r}" for r in range(ctx.world_size)])
     t = torch.ones(1000 if ctx.rank == 1 else 1024)
     start = time.monotonic()
     try:
