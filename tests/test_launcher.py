@@ -72,7 +72,8 @@ open(os.path.join({str(tmp_path)!r}, "finished" + rank), "w").write(line)
     m = Membership(client, launcher.namespace, 3)
     os.kill(launcher.workers[1].proc.pid, signal.SIGKILL)
     killed = time.time()
-    client.wait([m.key("gone", 1)], datetime.timedelta(seconds=10))
+    # The launcher records the death, then posts its event: wait for both.
+    client.wait([m.key("gone", 1), m.key("events", 0)], datetime.timedelta(seconds=10))
     reported = time.time() - killed
     g = m.gone([1])[1]
     assert (g.kind, g.detail, g.by) == ("exit", "killed by SIGKILL", "launcher"), g
