@@ -66,9 +66,7 @@ def _loop_until_failure(ctx: WorkerContext, victim: int, numel: int) -> dict:
 )
 def test_sigkill_mid_allreduce_every_survivor_errors_fast(world_size: int, victim: int, numel: int) -> None:
     with start_workers(_loop_until_failure, world_size, victim, numel, timeout_s=60) as w:
-        w.wait_key(f"looping/{victim}")
-        for r in range(world_size):
-            w.wait_key(f"looping/{r}")
+        w.wait_ranks("looping")
         w.kill(victim, signal.SIGKILL)
         killed_at = time.time()
         results = w.join()

@@ -91,8 +91,7 @@ def _kill_while_looping(fn: Callable[..., Any], world_size: int, victims: list[i
     """Starts `fn` on `world_size` workers, SIGKILLs `victims` once every worker is looping
     all_reduce (_all_reduce_until_failure), and returns every worker's result."""
     with start_workers(fn, world_size, *args, timeout_s=60) as w:
-        for r in range(world_size):
-            w.wait_key(f"looping/{r}")
+        w.wait_ranks("looping")
         for v in victims:
             w.kill(v, signal.SIGKILL)
         return w.join()
@@ -197,11 +196,9 @@ def _survivor_dies_before_shrink(ctx: WorkerContext) -> dict:
 @pytest.mark.timeout(90)
 def test_a_survivor_killed_before_the_shrink_fails_the_others_fast() -> None:
     with start_workers(_survivor_dies_before_shrink, 4, timeout_s=60) as w:
-        for r in range(4):
-            w.wait_key(f"looping/{r}")
+        w.wait_ranks("looping")
         w.kill(3, signal.SIGKILL)
-        for r in range(3):
-            w.wait_key(f"failed/{r}")
+        w.wait_ranks("failed", range(3))
         w.kill(2, signal.SIGKILL)
         w.procs[2].join(10)  # exited: the kernel has closed its sockets and its listener
         assert not w.procs[2].is_alive()

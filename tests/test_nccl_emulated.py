@@ -86,8 +86,7 @@ def test_sigkill_mid_loop_every_survivor_errors_fast_and_shrinks(case: str) -> N
     op_timeout = 1.5 if mode == "hang" else 30.0
     world, victim = 4, 2
     with start_workers(_loop_then_shrink, world, victim, env, op_timeout, timeout_s=60) as w:
-        for rank in range(world):
-            w.wait_key(f"looping/{rank}")
+        w.wait_ranks("looping")
         w.kill(victim, signal.SIGKILL)
         killed_at = time.time()
         results = w.join()
@@ -167,6 +166,14 @@ def _coalesced_and_dtypes(ctx: WorkerContext) -> dict:
     x = torch.full((4,), 2.0)
     dist.all_reduce(x, op=dist._make_nccl_premul_sum(0.5))
     out["premul_sum"] = x.tolist()
+    # PREMUL_SUM where the input must stay as it was: reduce (a non-root's tensor) and
+    # reduce_scatter (its input), plain and coalesced.
+    y = torch.full((4,), float(r + 1))
+    dist.reduce(y, 0, op=dist._make_nccl_premul_sum(2.0))
+    rs_in = torch.full((2 * n,), float(r + 1))
+    rs_out = torch.empty(2)
+    dist.reduce_scatter_tensor(rs_out, rs_in, op=dist._make_nccl_premul_sum(0.5))
+    out["premul_reduce"] = (y.tolist(), rs_out.tolist(), rs_in.tolist())
     u = torch.tensor([2**31 + r, 7], dtype=torch.uint32) if r == 0 else torch.zeros(2, dtype=torch.uint32)
     dist.broadcast(u, 0)
     out["uint32"] = [int(v) for v in u.tolist()]
@@ -193,6 +200,10 @@ def test_coalesced_batched_p2p_premul_sum_and_data_only_dtypes() -> None:
         assert v["all_reduce_coalesced"] == ([total] * 3, [total] * 5)
         assert v["batch_isend_irecv"] == (float((r - 1) % n),) * 2
         assert v["premul_sum"] == [0.5 * 2.0 * n] * 4
+        ranks_sum = float(sum(range(1, n + 1)))
+        y, rs_out, rs_in = v["premul_reduce"]
+        assert y == ([2.0 * ranks_sum] * 4 if r == 0 else [float(r + 1)] * 4), y
+        assert rs_out == [0.5 * ranks_sum] * 2 and rs_in == [float(r + 1)] * (2 * n), (rs_out, rs_in)
         assert v["uint32"] == [2**31, 7]
         assert v["float8"] == [[0.5 * (k + 1), -2.0 * (k + 1)] for k in range(n)]
         assert "resilient_nccl all_reduce" in v["int16"] and "NCCL has no int16" in v["int16"], v["int16"]

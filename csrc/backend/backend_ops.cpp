@@ -52,7 +52,7 @@ Status packInto(Communicator& c, const at::Tensor& buf, const std::vector<at::Te
   return c.onStream([out = buf, views = flattened(ts)]() mutable { at::cat_out(out, views); });
 }
 
-// On the op's stream: each tensor = its slice of buf (element offsets `at`, or back to back).
+// On the op's stream: each tensor = its slice of buf, back to back.
 Status unpackFrom(Communicator& c, const at::Tensor& buf, const std::vector<at::Tensor>& ts) {
   return c.onStream([buf, ts] {
     int64_t off = 0;
@@ -69,6 +69,17 @@ Status preScale(Communicator& c, const at::Tensor& t, const at::Tensor& factor) 
     return Status::ok();
   }
   return c.onStream([t, factor] { t.mul_(factor); });
+}
+
+// PREMUL_SUM where the input must stay as it was (a reduce's non-root, a reduce_scatter's
+// input): the scaled input in a temporary; `t` itself without a factor.
+Result<at::Tensor> scaledInput(Communicator& c, Temps& temps, const at::Tensor& t, const at::Tensor& factor) {
+  if (!factor.defined()) {
+    return t;
+  }
+  at::Tensor buf = temps.flat(t, t.numel());
+  RC_RETURN_IF_ERROR(c.onStream([buf, t, factor]() mutable { at::mul_out(buf, t.reshape({-1}), factor); }));
+  return buf;
 }
 
 }  // namespace
@@ -140,14 +151,10 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::reduce(std::vector<at::Tensor>&
   Temps temps;
   return enqueue(comm, OpType::REDUCE, site.op, tensors, opts.timeout, !opts.asyncOp,
                  [t, dt, op, root, factor, temps](Communicator& c, const Deadline& dl) mutable -> Status {
-                   if (!factor.defined()) {
-                     return c.reduce(ptr(t), t.numel(), dt, op, root, dl);
-                   }
-                   // A non-root's input must stay as it was: scale a copy.
-                   at::Tensor buf = temps.flat(t, t.numel());
-                   RC_RETURN_IF_ERROR(c.onStream([buf, t, factor]() mutable { at::mul_out(buf, t.reshape({-1}), factor); }));
-                   RC_RETURN_IF_ERROR(c.reduce(ptr(buf), buf.numel(), dt, op, root, dl));
-                   return c.rank() == root ? unpackFrom(c, buf, {t}) : Status::ok();
+                   at::Tensor src;
+                   RC_ASSIGN_OR_RETURN(src, scaledInput(c, temps, t, factor));
+                   RC_RETURN_IF_ERROR(c.reduce(ptr(src), t.numel(), dt, op, root, dl));
+                   return factor.defined() && c.rank() == root ? unpackFrom(c, src, {t}) : Status::ok();
                  });
 }
 
@@ -356,11 +363,8 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::_reduce_scatter_base(at::Tensor
   Temps temps;
   return enqueue(comm, OpType::_REDUCE_SCATTER_BASE, site.op, {out}, opts.timeout, !opts.asyncOp,
                  [in, out, dt, op, factor, temps](Communicator& c, const Deadline& dl) mutable -> Status {
-                   at::Tensor src = in;
-                   if (factor.defined()) {  // the input must stay as it was: scale a copy
-                     src = temps.flat(in, in.numel());
-                     RC_RETURN_IF_ERROR(c.onStream([src, in, factor]() mutable { at::mul_out(src, in.reshape({-1}), factor); }));
-                   }
+                   at::Tensor src;
+                   RC_ASSIGN_OR_RETURN(src, scaledInput(c, temps, in, factor));
                    return c.reduceScatter(ptr(src), ptr(out), out.numel(), dt, op, dl);
                  });
 }
@@ -391,11 +395,8 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::reduce_scatter_tensor_coalesced
   return enqueue(comm, OpType::COALESCED, site.op, outs, opts.timeout, !opts.asyncOp,
                  [ins, outs, dt, op, factor, temps](Communicator& c, const Deadline& dl) mutable -> Status {
                    for (size_t i = 0; i < ins.size(); ++i) {
-                     at::Tensor src = ins[i];
-                     if (factor.defined()) {
-                       src = temps.flat(ins[i], ins[i].numel());
-                       RC_RETURN_IF_ERROR(c.onStream([src, in = ins[i], factor]() mutable { at::mul_out(src, in.reshape({-1}), factor); }));
-                     }
+                     at::Tensor src;
+                     RC_ASSIGN_OR_RETURN(src, scaledInput(c, temps, ins[i], factor));
                      RC_RETURN_IF_ERROR(c.reduceScatter(ptr(src), ptr(outs[i]), outs[i].numel(), dt, op, dl));
                    }
                    return Status::ok();

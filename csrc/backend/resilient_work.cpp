@@ -60,14 +60,18 @@ void ResilientWork::raiseIfFailed() {
   }
 }
 
+void ResilientWork::expire(std::chrono::milliseconds timeout) {
+  std::string why = "Work.wait(timeout=" + std::to_string(timeout.count()) +
+                    " ms) expired before the op finished; the group was aborted";
+  complete(Status(StatusCode::kTimeout, why));
+  abortComm_(why);
+}
+
 void ResilientWork::hostWait(std::chrono::milliseconds timeout) {
   Deadline dl = timeout == kNoTimeout ? Deadline::never() : Deadline::after(timeout);
   Status st = op_->hostWait(dl, nullptr);
   if (st.code() == StatusCode::kTimeout && op_->outcome().code() == StatusCode::kInProgress) {
-    std::string why = "Work.wait(timeout=" + std::to_string(timeout.count()) +
-                      " ms) expired before the op finished; the group was aborted";
-    complete(Status(StatusCode::kTimeout, why));
-    abortComm_(why);
+    expire(timeout);
     return;
   }
   complete(st);
@@ -100,10 +104,7 @@ bool ResilientWork::wait(std::chrono::milliseconds timeout) {
       return true;
     }
   }
-  std::string why = "Work.wait(timeout=" + std::to_string(timeout.count()) +
-                    " ms) expired before the op finished; the group was aborted";
-  complete(Status(StatusCode::kTimeout, why));
-  abortComm_(why);
+  expire(timeout);
   raiseIfFailed();
   return true;
 }

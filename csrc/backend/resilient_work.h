@@ -70,6 +70,8 @@ class ResilientWork : public c10d::Work {
  private:
   // Host-waits for the attached op: records its outcome; an expiry of `timeout` aborts the group.
   void hostWait(std::chrono::milliseconds timeout);
+  // Work.wait(timeout) ran out: fails the Work with a timeout and aborts the group.
+  void expire(std::chrono::milliseconds timeout);
   void raiseIfFailed();
 
   CommErrorInfo site_;

@@ -45,6 +45,8 @@ Result<bool> PendingOp::blockCurrentStream() {
 }
 
 Status PendingOp::hostWait(const Deadline& dl, AbortToken* abort) {
+  // pollUntil's loop (poll_loop.h), but sleeping on the op's own condition variable, so that the
+  // watchdog's settle wakes it at once (and with no abort token to wait on for host-only waits).
   // Short ops end within a timed sleep's slack (50 us): yield for the first 200 us, then back off.
   const auto spinUntil = Deadline::Clock::now() + std::chrono::microseconds(200);
   std::chrono::microseconds pause(50);

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <functional>
 #include <string>
+#include <thread>
 
 #include "common/abort_token.h"
 #include "common/deadline.h"
@@ -18,6 +19,9 @@ namespace resilient_comm {
 struct Backoff {
   std::chrono::microseconds first;  // the first pause
   std::chrono::microseconds cap;    // pauses double up to this
+  // Yield instead of sleeping for this long first: for results that usually come within a
+  // timed sleep's slack (~50 us), such as an NCCL launch settling.
+  std::chrono::microseconds spin{0};
 };
 
 // Calls `step` until it returns true (-> Ok) or fails (-> its Status). The step runs before abort
@@ -26,6 +30,7 @@ struct Backoff {
 inline Status pollUntil(const std::function<Result<bool>()>& step, const Deadline& dl, AbortToken& abort,
                         Backoff backoff, const std::string& timeoutText) {
   std::chrono::microseconds pause = backoff.first;
+  const auto spinUntil = std::chrono::steady_clock::now() + backoff.spin;
   for (;;) {
     Result<bool> r = step();
     if (!r.isOk()) {
@@ -39,6 +44,10 @@ inline Status pollUntil(const std::function<Result<bool>()>& step, const Deadlin
     }
     if (dl.passed()) {
       return Status(StatusCode::kTimeout, timeoutText);
+    }
+    if (backoff.spin.count() > 0 && std::chrono::steady_clock::now() < spinUntil) {
+      std::this_thread::yield();
+      continue;
     }
     abort.waitFor(pause);
     pause = std::min(pause * 2, backoff.cap);

@@ -5,6 +5,7 @@
 #include <mutex>
 #include <thread>
 
+#include "common/env.h"
 #include "common/logging.h"
 #include "watchdog/watchdog.h"
 
@@ -40,6 +41,10 @@ void markTainted(const std::string& what, std::chrono::milliseconds bound) {
 }
 
 }  // namespace
+
+std::chrono::milliseconds Reaper::abortBound() {
+  return std::chrono::milliseconds(env::getInt(env::Knob::kAbortBoundMs));
+}
 
 void Reaper::start(std::function<void()> fn, std::chrono::milliseconds bound, const std::string& what) {
   auto c = std::make_shared<Completion>();

@@ -16,6 +16,8 @@ namespace resilient_comm {
 
 class Reaper {
  public:
+  // RESILIENT_COMM_ABORT_BOUND_MS: how long an abort is waited for before the caller goes on.
+  static std::chrono::milliseconds abortBound();
   // True if fn returned within `bound`.
   static bool run(std::function<void()> fn, std::chrono::milliseconds bound, const std::string& what);
   // Starts fn on its own thread and returns at once (for the watchdog's thread, and destructors,

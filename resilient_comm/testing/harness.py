@@ -15,7 +15,7 @@ import os
 import signal
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Self
 
@@ -85,6 +85,11 @@ class Workers:
 
     def wait_key(self, key: str, timeout_s: float | None = None) -> None:
         self.store.wait([key], datetime.timedelta(seconds=timeout_s or self.timeout_s))
+
+    def wait_ranks(self, prefix: str, ranks: Iterable[int] | None = None, timeout_s: float | None = None) -> None:
+        """Wait until every rank in `ranks` (default: all) has set `{prefix}/{rank}`."""
+        keys = [f"{prefix}/{r}" for r in (range(self.world_size) if ranks is None else ranks)]
+        self.store.wait(keys, datetime.timedelta(seconds=timeout_s or self.timeout_s))
 
     def kill(self, rank: int, sig: int = signal.SIGKILL) -> None:
         os.kill(self.procs[rank].pid, sig)

@@ -38,7 +38,7 @@ bool eventually(Pred pred, int ms = 3000) {
     if (dl.passed()) {
       return false;
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));  // pacing of the poll; pred ends it
   }
   return true;
 }

@@ -11,17 +11,12 @@
 #include "comm/group_moves.h"
 #include "comm/poll_loop.h"
 #include "common/check.h"
-#include "common/env.h"
 #include "common/logging.h"
 #include "watchdog/reaper.h"
 
 namespace resilient_comm::hccl {
 
 namespace {
-
-std::chrono::milliseconds abortBound() {
-  return std::chrono::milliseconds(env::getInt(env::Knob::kAbortBoundMs));
-}
 
 Status mapError(HcclApi& api, const std::string& what, HcclResult r) {
   if (r == HCCL_SUCCESS) {
@@ -143,7 +138,7 @@ struct CommHandle {
     }
     Reaper::run([api = api, comm = comm, suspend = failed.load(),
                  bind = bindDevice] { destroyComm(*api, comm, suspend, bind); },
-                abortBound(), "HcclCommDestroy of " + what);
+                Reaper::abortBound(), "HcclCommDestroy of " + what);
   }
 
   const std::shared_ptr<HcclApi> api;
@@ -307,7 +302,7 @@ void HcclCommunicator::release() {
         destroyComm(*h->api, h->comm, true, h->bindDevice);
         h->comm = nullptr;
       },
-      abortBound(), "HcclCommDestroy of " + own_->what);
+      Reaper::abortBound(), "HcclCommDestroy of " + own_->what);
 }
 
 void HcclCommunicator::abort(const std::string& reason) {

@@ -1,11 +1,10 @@
 #include "transport/nccl/nccl_handle.h"
 
-#include "common/check.h"
-
-#include <algorithm>
 #include <chrono>
 #include <thread>
 
+#include "comm/poll_loop.h"
+#include "common/check.h"
 #include "watchdog/reaper.h"
 
 namespace resilient_comm::nccl {
@@ -30,6 +29,12 @@ Status NcclHandle::acquire(const Deadline& dl, AbortToken& abort) {
   }
 }
 
+void NcclHandle::takeTurnForGood() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return !busy_; });
+  busy_ = true;  // never released: nothing may call in after an abort or a finalize
+}
+
 void NcclHandle::releaseTurn() {
   std::lock_guard<std::mutex> lock(mu_);
   busy_ = false;
@@ -37,44 +42,36 @@ void NcclHandle::releaseTurn() {
 }
 
 Result<ncclResult_t> NcclHandle::settleInTurn(const Deadline& dl, AbortToken& abort) {
-  // A launch settles in tens of microseconds (NCCL's launch thread), less than a timed sleep's
-  // slack: yield for the first 200 us, then back off.
-  const auto spinUntil = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
-  std::chrono::microseconds pause(50);
-  for (;;) {
-    ncclResult_t async = ncclSuccess;
-    ncclResult_t r = api_->commGetAsyncError(comm(), &async);
-    if (r != ncclSuccess) {
-      return r;
-    }
-    if (async != ncclInProgress) {
-      unsettled_ = false;
-      std::vector<std::shared_ptr<NcclHandle>> settledChildren;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        settledChildren.swap(children_);  // written by now: NCCL is done with their slots
-      }
-      return async;
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (aborting_) {
-        return Status(StatusCode::kAborted, "the NCCL communicator of " + name_ + " is being aborted");
-      }
-    }
-    if (abort.aborted()) {
-      return Status(StatusCode::kAborted, "communicator aborted: " + abort.reason());
-    }
-    if (dl.passed()) {
-      return Status(StatusCode::kTimeout, "an NCCL call on " + name_ + " did not settle before the deadline");
-    }
-    if (std::chrono::steady_clock::now() < spinUntil) {
-      std::this_thread::yield();
-      continue;
-    }
-    abort.waitFor(pause);
-    pause = std::min(pause * 2, std::chrono::microseconds(2000));
+  ncclResult_t async = ncclInProgress;
+  ncclResult_t queried = ncclSuccess;
+  Status st = pollUntil(
+      [&]() -> Result<bool> {
+        queried = api_->commGetAsyncError(comm(), &async);
+        if (queried != ncclSuccess || async != ncclInProgress) {
+          return true;
+        }
+        if (aborting()) {
+          return Status(StatusCode::kAborted, "the NCCL communicator of " + name_ + " is being aborted");
+        }
+        return false;
+      },
+      // A launch settles in tens of microseconds (NCCL's launch thread): yield through the first
+      // 200 us, then back off.
+      dl, abort, Backoff{std::chrono::microseconds(50), std::chrono::microseconds(2000), std::chrono::microseconds(200)},
+      "an NCCL call on " + name_ + " did not settle before the deadline");
+  if (!st.isOk()) {
+    return st;
   }
+  if (queried != ncclSuccess) {
+    return queried;
+  }
+  unsettled_ = false;
+  std::vector<std::shared_ptr<NcclHandle>> settledChildren;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    settledChildren.swap(children_);  // written by now: NCCL is done with their slots
+  }
+  return async;
 }
 
 Result<ncclResult_t> NcclHandle::call(const std::function<ncclResult_t(ncclComm_t)>& fn, const Deadline& dl,
@@ -95,25 +92,15 @@ Result<ncclResult_t> NcclHandle::call(const std::function<ncclResult_t(ncclComm_
 
 Result<ncclResult_t> NcclHandle::revokeOnce(const Deadline& dl) {
   AbortToken none;  // the communicator's own token fired when it failed; the revoke still goes out
-  RC_RETURN_IF_ERROR(acquire(dl, none));
-  if (revoked_ || comm() == nullptr) {
-    releaseTurn();
-    return ncclSuccess;
-  }
-  if (unsettled_) {
-    Result<ncclResult_t> previous = settleInTurn(dl, none);
-    if (!previous.isOk()) {
-      releaseTurn();
-      return previous;
-    }
-  }
-  revoked_ = true;
-  ncclResult_t r = api_->commRevoke(comm(), kNcclRevokeDefault);
-  if (r == ncclInProgress) {
-    unsettled_ = true;
-  }
-  releaseTurn();
-  return r;
+  return call(
+      [this](ncclComm_t c) {
+        if (revoked_ || c == nullptr) {
+          return ncclSuccess;
+        }
+        revoked_ = true;  // in turn: call() holds it
+        return api_->commRevoke(c, kNcclRevokeDefault);
+      },
+      dl, none, /*evenAfterError=*/true);
 }
 
 Result<ncclResult_t> NcclHandle::settle(const Deadline& dl, AbortToken& abort) {
@@ -173,11 +160,7 @@ bool NcclHandle::abort(bool wait, std::chrono::milliseconds bound) {
     cv_.notify_all();
   }
   auto job = [self = shared_from_this()] {
-    {
-      std::unique_lock<std::mutex> lock(self->mu_);
-      self->cv_.wait(lock, [&] { return !self->busy_; });
-      self->busy_ = true;  // for good: nothing may call in after an abort
-    }
+    self->takeTurnForGood();
     if (ncclComm_t c = self->comm()) {
       self->api_->commAbort(c);
     }
@@ -203,11 +186,7 @@ void NcclHandle::finalize(std::chrono::milliseconds bound) {
     cv_.notify_all();
   }
   auto job = [self = shared_from_this(), bound] {
-    {
-      std::unique_lock<std::mutex> lock(self->mu_);
-      self->cv_.wait(lock, [&] { return !self->busy_; });
-      self->busy_ = true;
-    }
+    self->takeTurnForGood();
     ncclComm_t c = self->comm();
     if (c == nullptr) {
       return;

@@ -97,6 +97,8 @@ class NcclHandle : public std::enable_shared_from_this<NcclHandle> {
   // Takes the turn (waiting at most until dl); false with a Status if it cannot.
   Status acquire(const Deadline& dl, AbortToken& abort);
   void releaseTurn();
+  // Waits for the turn and keeps it (the abort and finalize jobs).
+  void takeTurnForGood();
   // Polls the async error in turn until it leaves ncclInProgress.
   Result<ncclResult_t> settleInTurn(const Deadline& dl, AbortToken& abort);
 

@@ -12,16 +12,12 @@
 #include "comm/group_moves.h"
 #include "comm/store_util.h"
 #include "common/check.h"
-#include "common/env.h"
 #include "transport/nccl/nccl_communicator.h"
+#include "watchdog/reaper.h"
 
 namespace resilient_comm::nccl {
 
 namespace {
-
-std::chrono::milliseconds abortBound() {
-  return std::chrono::milliseconds(env::getInt(env::Knob::kAbortBoundMs));
-}
 
 // How often a survivor settling a native shrink looks for another's fall-back.
 constexpr std::chrono::milliseconds kFallbackCheck{10};
@@ -77,7 +73,7 @@ Result<std::shared_ptr<Communicator>> NcclCommunicator::shrink(const std::vector
   if (!native) {
     if (failed) {
       disposed_ = true;
-      handle_->abort(/*wait=*/false, abortBound());
+      handle_->abort(/*wait=*/false, Reaper::abortBound());
     }
     return reinit(plan.newRank, plan.newSize, opts_.store, prefix, dl);
   }
@@ -117,15 +113,15 @@ Result<std::shared_ptr<Communicator>> NcclCommunicator::shrink(const std::vector
         }
         // The native child is given up on every survivor: aborting the parent stops its init.
         self->disposed_ = true;
-        self->handle_->abort(/*wait=*/true, abortBound());
-        RC_RETURN_IF_ERROR(c.handle_->reset(abortBound()));
+        self->handle_->abort(/*wait=*/true, Reaper::abortBound());
+        RC_RETURN_IF_ERROR(c.handle_->reset(Reaper::abortBound()));
         return c.initWithId(c.opts_.prefix + "fallback/uid", d);
       },
       dl,
       [self, failed] {
         if (failed) {  // the parent's last use: its NCCL communicator goes now that the child is ready
           self->disposed_ = true;
-          self->handle_->abort(/*wait=*/false, abortBound());
+          self->handle_->abort(/*wait=*/false, Reaper::abortBound());
         }
       });
   return std::shared_ptr<Communicator>(child);
