@@ -10,16 +10,15 @@
 #include "comm/bootstrap_id.h"
 #include "comm/store_util.h"
 #include "common/check.h"
-#include "common/env.h"
 #include "common/logging.h"
+#include "watchdog/reaper.h"
 
 namespace resilient_comm::nccl {
 
 namespace {
 
-std::chrono::milliseconds abortBound() {
-  return std::chrono::milliseconds(env::getInt(env::Knob::kAbortBoundMs));
-}
+// The communicator whose launch() this thread is in (its body's calls join that launch).
+thread_local const NcclCommunicator* tlsLaunching = nullptr;
 
 }  // namespace
 
@@ -111,9 +110,9 @@ NcclCommunicator::~NcclCommunicator() {
     }
   }
   if (state() == CommState::kReady && !disposed_) {
-    handle_->finalize(abortBound());  // healthy: flush, then free
+    handle_->finalize(Reaper::abortBound());  // healthy: flush, then free
   } else {
-    handle_->abort(/*wait=*/false, abortBound());
+    handle_->abort(/*wait=*/false, Reaper::abortBound());
   }
 }
 
@@ -188,7 +187,7 @@ void NcclCommunicator::start(Plan plan, const Deadline& dl, std::function<void()
     if (self->finishInit(st) && !st.isOk()) {
       self->abort_.abort(st.message());
       self->disposed_ = true;
-      self->handle_->abort(/*wait=*/false, abortBound());  // a communicator that never built cannot be shrunk
+      self->handle_->abort(/*wait=*/false, Reaper::abortBound());  // a communicator that never built cannot be shrunk
     }
     if (whenDone) {
       whenDone();
@@ -212,7 +211,7 @@ void NcclCommunicator::abort(const std::string& reason) {
   finish();
   if (initializing) {
     disposed_ = true;
-    handle_->abort(/*wait=*/false, abortBound());  // an init in progress cannot be shrunk
+    handle_->abort(/*wait=*/false, Reaper::abortBound());  // an init in progress cannot be shrunk
   } else {
     disposeHandle();
   }
@@ -248,14 +247,18 @@ void NcclCommunicator::disposeHandle() {
     return;
   }
   if (features_.revoke && handle_->comm() != nullptr) {
-    Result<ncclResult_t> r = handle_->revokeOnce(Deadline::after(abortBound()));
+    Result<ncclResult_t> r = handle_->revokeOnce(Deadline::after(Reaper::abortBound()));
     if (r.isOk() && (r.value() == ncclSuccess || r.value() == ncclInProgress)) {
       return;  // its kernels stop; kept for a shrink
     }
   } else if (features_.shrink && handle_->comm() != nullptr) {
     return;  // kept for a shrink (NCCL_SHRINK_ABORT stops its kernels), or aborted when destroyed
   }
-  handle_->abort(/*wait=*/false, abortBound());
+  handle_->abort(/*wait=*/false, Reaper::abortBound());
+}
+
+bool NcclCommunicator::launchingHere() const {
+  return tlsLaunching == this;
 }
 
 Result<std::shared_ptr<PendingOp>> NcclCommunicator::launch(const std::string& what, const Deadline& dl,
@@ -268,12 +271,13 @@ Result<std::shared_ptr<PendingOp>> NcclCommunicator::launch(const std::string& w
   Status st;
   Result<std::shared_ptr<device::DeviceEvent>> end = Status(StatusCode::kInternal, "not recorded");
   {
+    std::lock_guard<std::mutex> turn(launchMu_);
     Result<device::DeviceGuard> guard = streams_->bind();
     st = guard.status();
     if (st.isOk()) {
       st = streams_->followCurrent();
     }
-    launching_ = true;
+    tlsLaunching = this;
     groupOpen_ = false;
     afterGroup_.clear();
     if (st.isOk()) {
@@ -283,7 +287,7 @@ Result<std::shared_ptr<PendingOp>> NcclCommunicator::launch(const std::string& w
       Status closed = closeGroup(dl);
       st = st.isOk() ? closed : st;
     }
-    launching_ = false;
+    tlsLaunching = nullptr;
     for (auto& fn : afterGroup_) {
       if (st.isOk()) {
         st = streams_->runOnStream(std::move(fn));
@@ -308,7 +312,7 @@ Result<std::shared_ptr<PendingOp>> NcclCommunicator::launch(const std::string& w
 }
 
 Status NcclCommunicator::onStream(std::function<void()> fn) {
-  if (launching_ && groupOpen_) {
+  if (launchingHere() && groupOpen_) {
     afterGroup_.push_back(std::move(fn));  // after the group's kernels are on the stream
     return Status::ok();
   }
@@ -316,7 +320,7 @@ Status NcclCommunicator::onStream(std::function<void()> fn) {
 }
 
 Status NcclCommunicator::collective(const char* op, const Deadline& dl, const std::function<Status()>& calls) {
-  if (launching_) {
+  if (launchingHere()) {
     return calls();
   }
   Result<std::shared_ptr<PendingOp>> launched = launch(op, dl, nullptr, calls);

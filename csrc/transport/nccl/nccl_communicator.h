@@ -173,10 +173,13 @@ class NcclCommunicator : public CommLifecycle, public Polled, public std::enable
   std::atomic<uint64_t> seq_{0};
   int derived_ = 0;
 
-  // launch()'s state, on the calling thread only.
-  bool launching_ = false;
+  // One launch at a time (threads may issue ops on one group, as with ProcessGroupNCCL; NCCL
+  // forbids concurrent calls on a communicator). The state below belongs to the launch in
+  // progress, on the thread that holds launchMu_ (launchingHere()).
+  std::mutex launchMu_;
   bool groupOpen_ = false;
   std::vector<std::function<void()>> afterGroup_;
+  bool launchingHere() const;
 
   mutable std::mutex opsMu_;
   std::vector<std::shared_ptr<PendingOp>> inflight_;  // guarded by opsMu_
