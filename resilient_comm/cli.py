@@ -1,4 +1,4 @@
-"""The `resilient-comm` command: demo, bench {checkpoint,collectives,nccl,overhead,primitives,recovery}, sim, doctor."""
+"""The `resilient-comm` command: demo, bench {checkpoint,collectives,control-plane,nccl,overhead,primitives,recovery}, sim, doctor."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def _bench(argv: list[str]) -> int:
     suites = {
         "checkpoint": "resilient_comm.bench.checkpoint",
         "collectives": "resilient_comm.bench.collectives",
+        "control-plane": "resilient_comm.bench.control_plane",
         "nccl": "resilient_comm.bench.nccl_path",
         "overhead": "resilient_comm.bench.overhead",
         "primitives": "resilient_comm.bench.primitives",

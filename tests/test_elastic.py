@@ -100,7 +100,7 @@ def check_recovered(job: ToyJob, status: int, victims: list[int], recoveries: in
     for r, steps in commits_by_rank(job).items():
         if r in survivors:
             assert steps == list(range(STEPS)), f"rank {r} committed {steps}"
-    gone = Membership(job.launcher.client(), job.launcher.namespace, WORLD).gone(victims)
+    gone = Membership(job.launcher.client(), job.launcher.namespace).gone(victims)
     for v in victims:
         assert gone[v].kind == "exit" and gone[v].detail == "killed by SIGKILL", gone[v]
     return d
@@ -178,7 +178,7 @@ def test_sigstop_shorter_than_the_slow_bound_evicts_nobody(tmp_path: Any) -> Non
     time.sleep(hold)  # hold the fault
     os.kill(job.pid(victim), signal.SIGCONT)
     assert job.wait(100) == 0
-    m = Membership(job.launcher.client(), job.launcher.namespace, WORLD)
+    m = Membership(job.launcher.client(), job.launcher.namespace)
     assert m.epoch() == 0, f"a stop of {hold} s started a recovery: {m.decision(m.epoch())}"
     assert all(g.kind == "exit" and g.detail == "exit code 0" for g in m.gone(list(range(WORLD))).values())
     assert commits_by_rank(job) == {r: list(range(STEPS)) for r in range(WORLD)}
@@ -189,7 +189,7 @@ def test_sigstop_past_the_slow_bound_evicts_the_stopped_worker(tmp_path: Any) ->
     victim = 2
     job = ToyJob(WORLD, ["--steps", str(STEPS), "--mark", f"{victim}:12"], str(tmp_path)).start()
     stopped = _stop_at(job, victim, 12)
-    m = Membership(job.launcher.client(), job.launcher.namespace, WORLD)
+    m = Membership(job.launcher.client(), job.launcher.namespace)
     m.store.wait([m.key("e", 1, "decision")], datetime.timedelta(seconds=20))
     evicted_after = time.monotonic() - stopped
     d = m.decision(1)
@@ -217,7 +217,7 @@ def test_mesh_tp2_dp2_one_death_evicts_its_whole_replica(tmp_path: Any, seed: in
                       "--dump", str(tmp_path / "dump"))
     assert status == 0
     assert job.launcher.workers[partner].status == EXIT_EVICTED
-    m = Membership(job.launcher.client(), job.launcher.namespace, WORLD)
+    m = Membership(job.launcher.client(), job.launcher.namespace)
     d = m.decision(m.epoch())
     assert d is not None and (d.lost, d.evicted, d.members, d.mesh) == ([victim], [partner], [2, 3],
                                                                        {"tp": 2, "pp": 1, "dp": 1}), d
@@ -227,3 +227,50 @@ def test_mesh_tp2_dp2_one_death_evicts_its_whole_replica(tmp_path: Any, seed: in
     assert same_state(final[2]["state"]["model"]["b2"], final[3]["state"]["model"]["b2"])  # replicated in TP
     assert not same_state(final[2]["state"]["model"]["w1"], final[3]["state"]["model"]["w1"])  # sharded
     assert commits_by_rank(job)[2] == list(range(STEPS))
+
+
+@pytest.mark.timeout(180)
+def test_a_whole_node_sigkill_is_seen_by_the_next_node_and_the_job_goes_on(tmp_path: Any,
+                                                                           fault_free: dict[int, Any]) -> None:
+    """Two nodes of two workers (node 1 is its own resilient-run); node 1's agent and workers
+    are SIGKILLed together, so no exit is ever reported: node 0's agent sees node 1's record
+    stop and reports both ranks in one event; the survivors shrink and finish."""
+    import subprocess
+    import sys
+
+    hold, tmp = 8, str(tmp_path)
+    args = ["--steps", str(STEPS), "--dump", os.path.join(tmp, "dump"), "--hold", f"0:{hold}"]
+    job = ToyJob(2, args, tmp, quiet=True, nnodes=2, node_rank=0, run_id="twonodes").start()
+    node1_cmd = [sys.executable, "-m", "resilient_comm.elastic", "--nnodes", "2", "--node-rank", "1",
+                 "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{job.launcher.port}", "--rdzv-id",
+                 "twonodes", "-m", "resilient_comm.elastic.toy", "--events", job.events_dir, *args]
+    with open(tmp_path / "node1.log", "wb") as out:
+        node1 = subprocess.Popen(node1_cmd, stdout=out, stderr=subprocess.STDOUT)
+    store = job.launcher.client()
+    try:
+        store.wait([f"toy/held/0/{hold}"], datetime.timedelta(seconds=90))
+        with open(f"/proc/{node1.pid}/task/{node1.pid}/children") as f:
+            victims = [int(p) for p in f.read().split()]
+        assert len(victims) == 2, victims
+        for pid in [node1.pid, *victims]:
+            os.kill(pid, signal.SIGKILL)
+        killed = time.time()
+        node1.wait()
+    finally:
+        store.set(f"toy/go/{hold}", "1")
+    m = Membership(store, job.launcher.namespace, 2)
+    assert job.wait(120) == 0, (tmp_path / "node1.log").read_text()[-2000:]
+    d = m.decision(1)
+    assert d is not None and (d.members, sorted(d.lost), d.mode) == ([0, 1], [2, 3], "shrink"), d
+    gone = m.gone([2, 3])
+    assert all(g.kind == "suspect" and g.by == "agent 0" and "node 1 silent for" in g.detail
+               for g in gone.values()), gone
+    # The node bound is max(1 s silence floor, 5 x 200 ms node heartbeats) = 1 s.
+    assert 0.9 <= d.t - killed < 4.0, f"decision published {d.t - killed:.2f} s after the node's loss"
+    assert [m.event(i) for i in range(2)] == [{"kind": "gone", "node": 1, "ranks": [2, 3]},
+                                             {"kind": "decided", "epoch": 1, "joiners": []}], "one report for the node"
+    final = dumps(job, [0, 1])
+    want = reference(tmp, fault_free[d.resume_step - 1], [(d.resume_step, [0, 1])])
+    for r in (0, 1):
+        assert final[r]["members"] == [0, 1] and final[r]["committed"] == STEPS - 1
+        assert same_state(final[r]["state"], want), f"rank {r}: recovered training differs from the fault-free run"

@@ -86,7 +86,7 @@ def _decision(epoch: int, members: list[int], by: int = 0) -> Decision:
 
 @pytest.mark.timeout(30)
 def test_epochs_are_proposed_by_compare_and_set_and_decided_once(store: dist.TCPStore) -> None:
-    a, b = Membership(store, "rc/t", 4), Membership(store.clone(), "rc/t", 4)  # type: ignore[attr-defined]
+    a, b = Membership(store, "rc/t"), Membership(store.clone(), "rc/t")  # type: ignore[attr-defined]
     first = a.start(_decision(0, [0, 1, 2, 3]))
     assert b.start(_decision(0, [9], by=5)) == first, "epoch 0 is written once"
     assert a.epoch() == 0
@@ -102,13 +102,13 @@ def test_epochs_are_proposed_by_compare_and_set_and_decided_once(store: dist.TCP
 
 @pytest.mark.timeout(30)
 def test_failure_reports_are_recorded_once_and_events_have_no_holes(store: dist.TCPStore) -> None:
-    m = Membership(store, "rc/t", 3)
+    m = Membership(store, "rc/t", nodes=3)
     assert m.report_gone(Gone(1, "exit", "killed by SIGKILL", 10.0, "launcher"))
     assert not m.report_gone(Gone(1, "suspect", "heartbeat silent", 9.0, "rank 0")), "first evidence wins"
     assert m.gone([0, 1, 2]) == {1: Gone(1, "exit", "killed by SIGKILL", 10.0, "launcher")}
-    assert [m.wait_wake(r) for r in range(3)] == ["event"] * 3, "every rank is woken"
+    assert [m.wait_node_wake(n) for n in range(3)] == ["event"] * 3, "every node's agent is woken"
 
-    posters = [Membership(store.clone(), "rc/t", 3) for _ in range(4)]  # type: ignore[attr-defined]
+    posters = [Membership(store.clone(), "rc/t", nodes=3) for _ in range(4)]  # type: ignore[attr-defined]
     got: list[int] = []
     threads = [threading.Thread(target=lambda p=p, i=i: got.append(p.post_event({"kind": "x", "i": i})))
                for i, p in enumerate(posters)]
@@ -117,7 +117,10 @@ def test_failure_reports_are_recorded_once_and_events_have_no_holes(store: dist.
     for t in threads:
         t.join()
     assert sorted(got) == [1, 2, 3, 4], "slots 1..4 claimed once each (slot 0 is the gone event)"
-    assert m.event(0) == {"kind": "gone", "rank": 1} and m.event(5) is None
+    assert m.event(0) == {"kind": "gone", "ranks": [1]} and m.event(5) is None
+    lost = [Gone(r, "suspect", "node 2 silent", 11.0, "agent 1") for r in (1, 4, 5)]
+    assert m.report_gone_many(lost, node=2) == [4, 5], "rank 1's first evidence stands"
+    assert m.event(5) == {"kind": "gone", "ranks": [4, 5], "node": 2}, "one event for a lost node"
     assert sorted((m.event(i) or {})["i"] for i in range(1, 5)) == [0, 1, 2, 3]
 
 
@@ -199,7 +202,7 @@ class _State:
 def _bare(store: dist.TCPStore, **fields: object) -> Controller:
     """A Controller with only the fields the commit protocol reads (no processes, no groups)."""
     c = object.__new__(Controller)
-    defaults = {"rank": 0, "_hook": None, "_m": Membership(store, "rc/u", 4), "_pending": None, "_dirty": False,
+    defaults = {"rank": 0, "_hook": None, "_m": Membership(store, "rc/u"), "_pending": None, "_dirty": False,
                 "_snapshot": None, "_state": None, "committed": -1, "next_step": 0,
                 "_ckpt_dir": None, "_ckpt": None}
     for k, v in {**defaults, **fields}.items():

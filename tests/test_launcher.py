@@ -69,7 +69,7 @@ open(os.path.join({str(tmp_path)!r}, "finished" + rank), "w").write(line)
     watcher = threading.Thread(target=lambda: status.append(launcher.wait()), daemon=True)
     watcher.start()
     client = launcher.client()
-    m = Membership(client, launcher.namespace, 3)
+    m = Membership(client, launcher.namespace)
     os.kill(launcher.workers[1].proc.pid, signal.SIGKILL)
     killed = time.time()
     # The launcher records the death, then posts its event: wait for both.
@@ -78,7 +78,7 @@ open(os.path.join({str(tmp_path)!r}, "finished" + rank), "w").write(line)
     g = m.gone([1])[1]
     assert (g.kind, g.detail, g.by) == ("exit", "killed by SIGKILL", "launcher"), g
     assert 0 <= g.t - killed < 0.5 and reported < 1.0, f"reported {reported:.3f} s after the kill"
-    assert m.event(0) == {"kind": "gone", "rank": 1}
+    assert m.event(0) == {"kind": "gone", "ranks": [1]}
     assert all(launcher.workers[r].proc.poll() is None for r in (0, 2)), "a survivor was stopped"
     for r in (0, 2):
         with open(fifos[r], "w") as f:

@@ -48,7 +48,7 @@ def final(job: ToyJob, rank: int) -> dict[str, Any]:
 
 
 def membership(job: ToyJob) -> Membership:
-    return Membership(job.launcher.client(), job.launcher.namespace, WORLD)
+    return Membership(job.launcher.client(), job.launcher.namespace)
 
 
 def decisions(job: ToyJob) -> list[Decision]:
@@ -233,6 +233,7 @@ def test_a_spare_outside_resilient_run_gets_a_clear_error(monkeypatch: pytest.Mo
     monkeypatch.setenv("RESILIENT_COMM_STORE", f"127.0.0.1:{store.port}")
     monkeypatch.setenv("RESILIENT_COMM_NAMESPACE", "t")
     monkeypatch.setenv("RESILIENT_COMM_SPARE", "1")
+    monkeypatch.setenv("RESILIENT_COMM_AGENT", "/nonexistent/agent.sock")
     with pytest.raises(RuntimeError, match="spare's id must be >= WORLD_SIZE 2"):
         Controller(None)
 
@@ -245,7 +246,7 @@ def test_without_a_donor_every_member_loads_the_newest_checkpoint(tmp_path: Any)
     args = ["--steps", "20", "--tp", "2", "--digest", "--dump", str(tmp_path / "dump"), "--ckpt-dir", ckpt,
             "--ckpt-dir-every", "4", "--hold", f"0:{hold}"]
     job = ToyJob(2, args, str(tmp_path), quiet=True, spares=1).start()  # tp = 2, dp = 1: no replica to copy from
-    m, store = Membership(job.launcher.client(), job.launcher.namespace, 2), job.launcher.client()
+    m, store = Membership(job.launcher.client(), job.launcher.namespace), job.launcher.client()
     try:
         wait_for(lambda: m.spares() == [2], "the spare to register")
         wait_for(lambda: store.check([f"toy/held/0/{hold}"]), "rank 0 to reach the held step")

@@ -46,6 +46,8 @@ namespace resilient_comm::env {
   X(kLogLevel, "RESILIENT_COMM_LOG_LEVEL", "warning", "debug, info, warning or error")           \
   X(kHeartbeatMs, "RESILIENT_COMM_HEARTBEAT_MS", "100",                                          \
     "elastic: heartbeat period of every member, in ms")                                          \
+  X(kNodeHeartbeatMs, "RESILIENT_COMM_NODE_HEARTBEAT_MS", "200",                                \
+    "elastic: period of each node agent's liveness record in the store, in ms")                 \
   X(kSilenceFloorMs, "RESILIENT_COMM_SILENCE_FLOOR_MS", "1000",                                  \
     "elastic: a silent heartbeat is suspected past max(this, slow factor x its p99 step + comm)") \
   X(kStragglerFloorMs, "RESILIENT_COMM_STRAGGLER_FLOOR_MS", "5000",                              \

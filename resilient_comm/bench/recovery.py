@@ -133,7 +133,7 @@ def run_ours(nproc: int, rep: int, s: Settings, root: str, sigstop: bool = False
     run = Run("ours-sigstop" if sigstop else "ours-spare" if spares else "ours", nproc, rep, False)
     if spares:
         client = job.launcher.client()
-        m = Membership(client, job.launcher.namespace, nproc)
+        m = Membership(client, job.launcher.namespace)
         deadline = time.monotonic() + s.timeout_s
         while len(m.spares()) < spares and time.monotonic() < deadline:
             time.sleep(0.05)  # pacing a bounded poll for the registration
@@ -145,7 +145,7 @@ def run_ours(nproc: int, rep: int, s: Settings, root: str, sigstop: bool = False
         client.wait([f"toy/at/{victim}/{s.kill_step}"])
         os.kill(job.pid(victim), signal.SIGSTOP)
         fault_t = time.time()
-        m = Membership(client, job.launcher.namespace, nproc)
+        m = Membership(client, job.launcher.namespace)
         client.wait([m.key("e", 1, "decision")])
         os.kill(job.pid(victim), signal.SIGCONT)  # it finds itself evicted and leaves
     try:

@@ -8,11 +8,13 @@
 - `decision.decide`: an epoch's decision from what the decider read (pure: unit-tested).
 - `TrainState`: a state provider (model, optimizer, RNG, extra state) for the controller;
   `statesync` copies a state between members as tensors (hot spares, laggards).
-- `Launcher` (the ``resilient-run`` command) hosts the store, starts workers, reports exits.
+- `Launcher` (the ``resilient-run`` command) hosts the store, starts workers, reports exits;
+  its `NodeAgent` judges the node's heartbeats and watches the next node (agent.py).
 
 docs/elastic.md describes the protocol, the bounds and what a user sees.
 """
 
+from resilient_comm.elastic.agent import NodeAgent
 from resilient_comm.elastic.controller import (
     EXIT_EVICTED,
     Controller,
@@ -42,6 +44,7 @@ __all__ = [
     "Launcher",
     "Membership",
     "Mesh",
+    "NodeAgent",
     "Place",
     "Plan",
     "RecoveryError",

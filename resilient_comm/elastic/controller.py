@@ -81,6 +81,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import resilient_comm
 from resilient_comm.api import _backend
+from resilient_comm.elastic.agent import ENV_AGENT
 from resilient_comm.elastic.decision import decide
 from resilient_comm.elastic.detector import Detector, DetectorConfig
 from resilient_comm.elastic.membership import Decision, Gone, JoinRecord, Membership, now
@@ -183,7 +184,7 @@ class Controller:
         depends on it). On a hot spare the constructor blocks until the spare is placed or
         the job ends."""
         env = os.environ
-        missing = [k for k in ("RANK", "WORLD_SIZE", ENV_STORE, ENV_NAMESPACE) if k not in env]
+        missing = [k for k in ("RANK", "WORLD_SIZE", ENV_STORE, ENV_NAMESPACE, ENV_AGENT) if k not in env]
         if missing:
             raise RuntimeError(f"Controller needs {missing} in the environment: start workers with resilient-run")
         if checkpoint_every < 0 or (checkpoint_every and checkpoint_dir is None):
@@ -205,7 +206,7 @@ class Controller:
         self._ckpt_rank = -1
         host, port = env[ENV_STORE].rsplit(":", 1)
         store = dist.TCPStore(host, int(port), None, False, timeout=self._timeout)
-        self._m = Membership(store, env[ENV_NAMESPACE], world)
+        self._m = Membership(store, env[ENV_NAMESPACE], int(env.get("GROUP_WORLD_SIZE", "1")))
         initial = Decision(0, list(range(world)), Mesh.for_world(world, tp, pp).as_dict(), "init", start_step)
         if self.is_spare:
             if self.rank < world:
@@ -237,16 +238,17 @@ class Controller:
         self._fatal: str | None = None
         self._finished = False
         self._idle = False  # a spare that was never placed: nothing to run
-        self._detector = Detector(self._m, self.rank, detector or DetectorConfig.from_env(), self._on_gone,
+        self._detector = Detector(env[ENV_AGENT], self.rank, detector or DetectorConfig.from_env(), self._on_gone,
                                   self._on_store_lost)
         atexit.register(self._detector.stop)  # also when the script never calls close()
         if self.is_spare:
             self._watching = set()
-            self._detector.start(events=False)
+            self._detector.progress(-1, "spare")
+            self._detector.start()
             self._spare_wait()
             return
         self._detector.start()
-        self._detector.watch(initial.members, comm_bytes)
+        self._detector.set_members(initial.members, comm_bytes)
         self._resolve_state()
         if self._m.epoch() != 0:
             self._recover(RuntimeError(f"rank {self.rank} started after the job moved past epoch 0"), op_error=False)
@@ -260,10 +262,12 @@ class Controller:
         """A hot spare: wait warm until a decision places this spare, then join that epoch
         as a member (build its groups, receive the state); or leave when the job ends."""
         self._m.register_spare(self.rank)
-        waiter = self._m.clone(timeout=datetime.timedelta(seconds=1))
         log.info("spare %d waiting warm", self.rank)
         seen = 0
         while True:
+            news = self._detector.news()
+            if self._fatal:
+                raise RecoveryError(f"spare {self.rank}: {self._fatal}")
             if self._m.finished():
                 self._idle = True
                 self._detector.stop()
@@ -278,16 +282,13 @@ class Controller:
                 if self.rank in d.joiners:
                     self._place(d)
                     return
-            try:
-                waiter.wait_wake(self.rank)  # pushed by the decider that places us (and on events)
-            except dist.DistStoreError:
-                pass  # a second without news: look again (and at the end of the job)
+            # Woken by the agent's events (a decision, the end); a second without any: look again.
+            self._detector.wait_news(news, 1.0)
 
     def _place(self, d: Decision) -> None:
         log.info("spare %d takes rank %d's place (epoch %d)", self.rank, d.slots[d.members.index(self.rank)]
                  if d.slots else -1, d.epoch)
         self.committed, self.next_step = -1, d.resume_step
-        self._detector.start_events()
         tl = Timeline(self.rank, "placed as a hot spare")
         tl.mark("failure", d.failed_at or now())
         tl.mark("detected", d.t)
@@ -438,9 +439,9 @@ class Controller:
             groups = list(self._registered)
         self._abort(groups, f"rank {g.rank} is gone ({g.kind}: {g.detail}, reported by {g.by})")
 
-    def _on_store_lost(self, e: BaseException) -> None:
+    def _on_store_lost(self, reason: str) -> None:
         with self._lock:
-            self._fatal = f"the launcher's store is unreachable: {e}"
+            self._fatal = reason  # the agent is gone, or it lost the store
             groups = list(self._registered)
         self._abort(groups, self._fatal)
 
@@ -533,24 +534,31 @@ class Controller:
         return base, self._await_decision(current, base, deadline)
 
     def _await_decision(self, epoch: int, base: Decision, deadline: float) -> Decision:
+        """The decider (the lowest live member of `base`) polls the join records and publishes;
+        the others wait for the agent's news (the decision's event, or a death that may make
+        them the decider)."""
         pace = _Pacer()
         while True:
+            news = self._detector.news()
+            if self._fatal:
+                raise RecoveryError(self._fatal)
             d = self._m.decision(epoch)
             if d is not None:
                 return d
             live = [r for r in base.members if r not in self._detector.gone()]
+            if time.monotonic() > deadline:
+                raise RecoveryError(f"no decision for epoch {epoch} before the deadline (waiting on {live})")
             if live and live[0] == self.rank:
                 joined = self._m.joined(epoch, live)
                 if set(joined) == set(live):
                     gone = self._m.gone(base.members)
                     joined = {r: j for r, j in joined.items() if r not in gone}
                     d = self._m.decide(self._decide(epoch, base, joined, gone))
-                    for spare in d.joiners:
-                        self._m.wake(spare, "placed")
+                    self._m.post_event({"kind": "decided", "epoch": d.epoch, "joiners": d.joiners})
                     return d
-            if time.monotonic() > deadline:
-                raise RecoveryError(f"no decision for epoch {epoch} before the deadline (waiting on {live})")
-            pace.wait()
+                pace.wait()
+            else:
+                self._detector.wait_news(news, min(1.0, max(0.0, deadline - time.monotonic())))
 
     def _decide(self, epoch: int, base: Decision, joined: dict[int, JoinRecord], gone: dict[int, Gone]) -> Decision:
         candidates = [r for r in self._m.spares() if r not in set(base.used_spares)]
@@ -589,7 +597,7 @@ class Controller:
         # Watch the new members from the start of the build: a spare that froze while it waited
         # (it heartbeats, but nobody watched it) is suspected by silence instead of holding the
         # build until the op timeout.
-        self._detector.watch(d.members, self._comm_bytes)
+        self._detector.set_members(d.members, self._comm_bytes)
         if d.mode == "shrink":
             assert base is not None
             for pg in [g for g in old if g is not c10d._get_default_group()]:
@@ -621,7 +629,7 @@ class Controller:
                 dist.all_reduce(one, group=sub[dim])
         self._groups = Groups(world=world, dp=sub["dp"], tp=sub["tp"], pp=sub["pp"])
         self._ready = True
-        self._detector.watch(d.members, self._comm_bytes)
+        self._detector.set_members(d.members, self._comm_bytes)
         with self._lock:
             for r in [r for r in self._evidence if r not in d.members]:
                 del self._evidence[r]
@@ -709,9 +717,9 @@ class Controller:
             if all(r in done or r in gone for r in members):
                 with self._lock:
                     self._finished = True
-                self._m.set_finished()
-                for spare in self._m.spares():
-                    self._m.wake(spare, "finished")  # waiting spares leave
+                if not self._m.finished():
+                    self._m.set_finished()
+                    self._m.post_event({"kind": "finished"})  # waiting spares leave
                 return True
             if self._m.epoch() > self.applied_epoch:
                 self._recover(RuntimeError("a member is recovering after this one finished"), op_error=False)

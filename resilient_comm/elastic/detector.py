@@ -5,14 +5,15 @@ Three sources of evidence reach the controller:
 1. **Op errors** from the backend (``PeerFailureError`` within milliseconds of a peer's
    death, ``CommTimeoutError``): raised in the training thread itself.
 2. **The launcher's exit report**: ``resilient-run`` sees a worker end (pidfd) and records it
-   under ``{ns}/gone/{rank}`` with an event and a wake-up in every rank's queue. Here an
-   *events thread* blocks on that queue, so a report reaches every worker within a store
-   round trip.
-3. **Heartbeats**: a *heartbeat thread* writes ``{ns}/hb/{rank}`` every ``heartbeat_s``
-   (~100 ms) and reads every peer's key in one ``multi_get``. A heartbeat carries a sequence
-   number, the rank's step and phase ("compute", "sync", "recovery", "done"), how long it has
-   been in that phase, the p99 of its recent step times and the expected cost of its step's
-   collectives.
+   under ``{ns}/gone/{rank}`` with an event. Every node's agent reads the event once and
+   forwards it to its workers, whose *events thread* reads them from the agent's socket: a
+   report reaches every worker within a store round trip and a local hop.
+3. **Heartbeats**: a *heartbeat thread* beats to the node agent (a Unix socket) every
+   ``heartbeat_s`` (~100 ms); the agent judges them (`resilient_comm.elastic.agent`: nodes
+   watch each other through one record per node, never a key per rank). A heartbeat carries a
+   sequence number, the rank's step and phase ("compute", "sync", "recovery", "done", or
+   "spare" while a hot spare waits), how long it has been in that phase, the p99 of its
+   recent step times and the expected cost of its step's collectives.
 
 **Dead vs slow.** A process whose heartbeat advances is alive: it is never declared dead,
 whatever its speed. It is suspected only on one of two adaptive bounds, both derived from
@@ -21,12 +22,13 @@ whatever its speed. It is suspected only on one of two adaptive bounds, both der
 knobs, ``RESILIENT_COMM_ALPHA_US`` / ``RESILIENT_COMM_BANDWIDTH_GBPS``, as the TCP transport):
 
 - **silence**: its heartbeat has not advanced for longer than ``bound`` (floor
-  ``silence_floor_s``), seen over at least ``min_silent_reads`` of the observer's own reads
-  (so an observer that was descheduled, or a stalled store, never counts as evidence). A
+  ``silence_floor_s``), seen over at least ``min_silent_reads`` of the observer's own ticks
+  (so an observer that was descheduled never counts as evidence). A
   SIGSTOPped or wedged process, or a lost host, ends up here; a short stop does not.
 - **straggler**: its heartbeat is live, but it has been computing step ``s`` (or a later one)
-  for longer than ``bound`` (floor ``straggler_floor_s``) while the observer waits: at the
-  step's synchronisation, in a recovery the straggler has not joined, or at the end. Only a
+  for longer than ``bound`` (floor ``straggler_floor_s``) while an observer waits (a member
+  of its node, or of the node whose agent watches its node): at the step's synchronisation,
+  in a recovery the straggler has not joined, or at the end. Only a
   rank that others wait for can be a straggler: ranks that all compute alike (a long
   checkpoint everywhere) suspect nobody.
 
@@ -36,20 +38,21 @@ op timeout is never the evidence: the controller reacts to these bounds long bef
 
 from __future__ import annotations
 
-import datetime
+import json
 import logging
 import math
+import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from resilient_comm.elastic.membership import Gone, Membership, now
+from resilient_comm.elastic.membership import Gone
 
 log = logging.getLogger("resilient_comm.elastic")
 
-PHASES = ("compute", "sync", "recovery", "done")
+PHASES = ("compute", "sync", "recovery", "done", "spare")  # spare: waiting, not a member yet
 WAITING = ("sync", "recovery", "done")  # phases in which a rank waits for the others
 
 
@@ -150,8 +153,8 @@ class PeerView:
             self.unchanged_reads += 1
 
 
-def assess(peer: PeerView, my_step: int, my_phase: str, t: float, cfg: DetectorConfig) -> str | None:
-    """Why `peer` should be suspected at monotonic time `t`, or None. Pure: unit-testable."""
+def silence_why(peer: PeerView, t: float, cfg: DetectorConfig) -> str | None:
+    """Why `peer`'s silence at monotonic time `t` makes it a suspect, or None."""
     if peer.seq < 0:
         return None  # never beat yet (still starting): the launcher reports a death at start-up
     silent = t - peer.changed_at
@@ -159,8 +162,13 @@ def assess(peer: PeerView, my_step: int, my_phase: str, t: float, cfg: DetectorC
     if silent > bound and peer.unchanged_reads >= cfg.min_silent_reads:
         return (f"heartbeat silent for {silent:.2f} s > bound {bound:.2f} s "
                 f"(p99 step {1e3 * peer.p99_s:.1f} ms, comm {1e3 * peer.comm_s:.2f} ms)")
-    if peer.phase == "compute" and my_phase in WAITING and peer.step >= my_step:
-        busy = peer.elapsed_s + silent
+    return None
+
+
+def straggler_why(peer: PeerView, my_step: int, my_phase: str, t: float, cfg: DetectorConfig) -> str | None:
+    """Why `peer` is a straggler for an observer at (`my_step`, `my_phase`), or None."""
+    if peer.seq >= 0 and peer.phase == "compute" and my_phase in WAITING and peer.step >= my_step:
+        busy = peer.elapsed_s + (t - peer.changed_at)
         bound = slow_bound_s(peer.p99_s, peer.comm_s, cfg.straggler_floor_s, cfg.slow_factor)
         if busy > bound:
             return (f"straggler: computing step {peer.step} for {busy:.2f} s > bound {bound:.2f} s "
@@ -168,69 +176,82 @@ def assess(peer: PeerView, my_step: int, my_phase: str, t: float, cfg: DetectorC
     return None
 
 
+def assess(peer: PeerView, my_step: int, my_phase: str, t: float, cfg: DetectorConfig) -> str | None:
+    """Why `peer` should be suspected at monotonic time `t`, or None. Pure: unit-testable."""
+    return silence_why(peer, t, cfg) or straggler_why(peer, my_step, my_phase, t, cfg)
+
+
 class Detector:
-    """The detection threads of one worker. Thread-safety: `watch`, `progress`, `step_done`
-    and `gone` may be called from any thread; `on_gone(evidence)` runs on the events thread;
-    `on_store_lost(error)` on whichever thread lost the store first."""
+    """The detection threads of one worker: a heartbeat thread that beats to the node agent
+    (`resilient_comm.elastic.agent`) and an events thread that reads what the agent forwards.
+    Neither touches the store. Thread-safety: `set_members`, `progress`, `step_done`, `gone`
+    and `wait_news` may be called from any thread; `on_gone(evidence)` runs on the events
+    thread; `on_store_lost(reason)` on whichever thread learnt it first."""
 
     def __init__(
         self,
-        membership: Membership,
+        agent_path: str,
         rank: int,
         config: DetectorConfig,
         on_gone: Callable[[Gone], None],
-        on_store_lost: Callable[[BaseException], None],
+        on_store_lost: Callable[[str], None],
     ) -> None:
         self.cfg = config
         self.rank = rank
-        self._events = membership.clone(timeout=datetime.timedelta(days=1))
-        self._beats = membership.clone()
+        self._path = agent_path
+        self._sock: socket.socket | None = None
+        self._send_lock = threading.Lock()
         self._on_gone = on_gone
         self._on_store_lost = on_store_lost
-        self._lock = threading.Lock()
-        self._watch: list[int] = []
+        self._lock = threading.Condition()
         self._gone: dict[int, Gone] = {}
-        self._peers: dict[int, PeerView] = {}
+        self._news = 0  # events received (a decision, the end, a rank gone): spares and waiters block on it
         self._progress = (-1, "compute", time.monotonic())
         self._times = StepTimes(config.window)
         self._comm_s = 0.0
         self._stop = threading.Event()
-        self._next_event = 0
-        self._store_lost = False
+        self._lost_reason: str | None = None
         self._threads = [threading.Thread(target=self._events_loop, name="rc-events", daemon=True),
                          threading.Thread(target=self._heartbeat_loop, name="rc-heartbeat", daemon=True)]
 
-    def start(self, events: bool = True) -> None:
-        """Start heartbeating, and with `events` the events thread (a hot spare starts it
-        only once it is placed: until then its own wait consumes its wake-ups)."""
-        self._beat(0)
-        self._threads[1].start()
-        if events:
-            self.start_events()
+    def start(self) -> None:
+        """Connect to the node agent, say hello, beat once, and start both threads."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(10.0)
+            sock.connect(self._path)
+        except OSError as e:
+            sock.close()
+            raise RuntimeError(f"rank {self.rank}: cannot reach the node agent at {self._path} ({e}): "
+                               "start workers with resilient-run") from e
+        self._sock = sock
+        from resilient_comm.elastic.agent import hello_line
 
-    def start_events(self) -> None:
-        if not self._threads[0].is_alive() and not self._stop.is_set():
-            self._threads[0].start()
+        self._send(hello_line(self.rank, self.cfg))
+        self._beat(0)
+        for t in self._threads:
+            t.start()
 
     def stop(self) -> None:
-        """Stop and join both threads (a thread left inside a store call while the interpreter
-        shuts down would abort the process)."""
+        """Stop and join both threads."""
         if self._stop.is_set():
             return
         self._stop.set()
-        try:
-            self._beats.wake(self.rank, "stop")
-        except Exception as e:  # noqa: BLE001  (store gone: the events thread has ended already)
-            log.debug("rank %d: no store to wake the events thread: %s", self.rank, e)
+        if self._sock is not None:
+            try:
+                self._send("bye")  # silence from now on is on purpose
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes the events thread
+            except OSError:
+                pass  # the agent already closed it
         for t in self._threads:
             if t.is_alive():
                 t.join()
+        if self._sock is not None:
+            self._sock.close()
 
-    def watch(self, ranks: list[int], comm_bytes: int) -> None:
-        """Monitor these launch ranks (the current members) whose step all-reduces
-        `comm_bytes`."""
+    def set_members(self, ranks: list[int], comm_bytes: int) -> None:
+        """The current members, whose step all-reduces `comm_bytes` (the cost in each beat)."""
         with self._lock:
-            self._watch = [r for r in ranks if r != self.rank]
             self._comm_s = comm_cost_s(comm_bytes, len(ranks))
 
     def progress(self, step: int, phase: str) -> None:
@@ -246,52 +267,84 @@ class Detector:
         with self._lock:
             return dict(self._gone)
 
-    def _lost(self, e: BaseException) -> None:
-        if not self._store_lost and not self._stop.is_set():
-            self._store_lost = True
-            log.error("rank %d lost the launcher's store (%s): the launcher is gone", self.rank, e)
-            self._on_store_lost(e)
+    def news(self) -> int:
+        with self._lock:
+            return self._news
+
+    def wait_news(self, seen: int, timeout_s: float) -> int:
+        """Block until an event arrives after `seen` (a count from `news`) or `timeout_s` passes,
+        or the agent is gone; returns the count."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._news != seen or self._lost_reason is not None, timeout_s)
+            return self._news
+
+    def _lost(self, reason: str) -> None:
+        with self._lock:
+            if self._lost_reason is not None or self._stop.is_set():
+                return
+            self._lost_reason = reason
+            self._lock.notify_all()
+        log.error("rank %d: %s", self.rank, reason)
+        self._on_store_lost(reason)
+
+    def _send(self, line: str) -> None:
+        assert self._sock is not None
+        with self._send_lock:
+            self._sock.sendall((line + "\n").encode())
 
     def _events_loop(self) -> None:
+        assert self._sock is not None
+        buf = b""
         while True:
             try:
-                self._events.wait_wake(self.rank)
-                if self._stop.is_set():
-                    return
-                while (ev := self._events.event(self._next_event)) is not None:
-                    if ev.get("kind") == "gone":
-                        g = self._events.gone([ev["rank"]])[ev["rank"]]
-                        with self._lock:
-                            self._gone.setdefault(g.rank, g)
-                        self._on_gone(g)
-                    self._next_event += 1
-            except Exception as e:  # noqa: BLE001  (a dead store ends the thread)
-                self._lost(e)
+                self._sock.settimeout(None)
+                data = self._sock.recv(65536)
+            except OSError as e:
+                data, why = b"", str(e)
+            else:
+                why = "it closed the connection"
+            if self._stop.is_set():
                 return
+            if not data:
+                self._lost(f"the node agent (resilient-run) is gone: {why}")
+                return
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                self._message(line.decode())
+
+    def _message(self, line: str) -> None:
+        word, _, rest = line.partition(" ")
+        if word == "lost":
+            self._lost(rest)
+            return
+        ev = json.loads(rest)
+        gones = [Gone(**g) for g in ev.get("gone", [])]
+        with self._lock:
+            for g in gones:
+                self._gone.setdefault(g.rank, g)
+            self._news += 1
+            self._lock.notify_all()
+        for g in gones:
+            self._on_gone(g)
 
     def _beat(self, seq: int) -> None:
         step, phase, since = self._progress
         with self._lock:
             p99, comm = self._times.p99(), self._comm_s
-        self._beats.beat(self.rank, f"{seq} {step} {phase} {1e3 * (time.monotonic() - since):.1f} "
-                                    f"{1e3 * p99:.3f} {1e3 * comm:.3f}")
+        self._send(f"hb {seq} {step} {phase} {1e3 * (time.monotonic() - since):.1f} {1e3 * p99:.3f} {1e3 * comm:.3f}")
 
     def _heartbeat_loop(self) -> None:
-        seq, failures = 1, 0
+        seq = 1
         next_at = time.monotonic()
         while not self._stop.is_set():
             next_at += self.cfg.heartbeat_s
             try:
                 self._beat(seq)
-                self._observe()
-                if self._beats.event(self._next_event) is not None:
-                    self._beats.wake(self.rank, "missed")  # its poster died before waking us
-                failures = 0
-            except Exception as e:  # noqa: BLE001
-                failures += 1
-                if failures >= 3:
-                    self._lost(e)
-                    return
+            except OSError as e:
+                if not self._stop.is_set():
+                    self._lost(f"the node agent (resilient-run) is gone: {e}")
+                return
             seq += 1
             # Pace the loop (not a synchronisation); after a stall, resume the cadence.
             delay = next_at - time.monotonic()
@@ -299,26 +352,6 @@ class Detector:
                 next_at, delay = time.monotonic(), 0.0
             self._stop.wait(delay)
 
-    def _observe(self) -> None:
-        with self._lock:
-            peers = [r for r in self._watch if r not in self._gone]
-        if not peers:
-            return
-        values = self._beats.beats(peers)
-        t = time.monotonic()
-        my_step, my_phase, _ = self._progress
-        for r in peers:
-            view = self._peers.setdefault(r, PeerView(changed_at=t))
-            if r in values:
-                view.update(values[r], t)
-            if view.phase == "done":
-                continue  # finished: it leaves, and the launcher reports its exit
-            why = assess(view, my_step, my_phase, t, self.cfg)
-            if why is not None:
-                silent = t - view.changed_at
-                first = self._beats.report_gone(Gone(r, "suspect", why, now() - silent, f"rank {self.rank}"))
-                if first:
-                    log.warning("rank %d suspects rank %d: %s", self.rank, r, why)
 
-
-__all__ = ["Detector", "DetectorConfig", "PeerView", "StepTimes", "assess", "comm_cost_s", "slow_bound_s"]
+__all__ = ["Detector", "DetectorConfig", "PeerView", "StepTimes", "assess", "comm_cost_s", "silence_why", "slow_bound_s",
+           "straggler_why"]

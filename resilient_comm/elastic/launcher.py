@@ -12,7 +12,10 @@ What it does, and how it differs from torchrun:
   ``RESILIENT_COMM_STORE`` (host:port) and ``RESILIENT_COMM_NAMESPACE`` (the key prefix of
   this run and generation), which `resilient_comm.elastic.Controller` reads.
 - **Reports a worker's exit at once**: it waits on the workers' pidfds and, the moment one
-  ends, records it under ``{ns}/gone/{rank}`` with an event every controller is blocked on.
+  ends, records it under ``{ns}/gone/{rank}`` with an event that every node's agent forwards.
+- **Is the node's agent** (`resilient_comm.elastic.agent.NodeAgent`): workers beat to it over
+  a Unix socket (``RESILIENT_COMM_AGENT``); it judges them, writes one liveness record for the
+  node, watches the next node's record, and forwards events to its workers.
 - **Never kills survivors** when a worker dies: they recover in-process.
 - **Forwards SIGINT/SIGTERM** to every worker (each runs in its own session, so a terminal's
   Ctrl-C reaches a worker once, through the launcher); a second signal sends SIGKILL.
@@ -55,6 +58,7 @@ from typing import IO
 
 import torch.distributed as dist
 
+from resilient_comm.elastic.agent import ENV_AGENT, NodeAgent
 from resilient_comm.elastic.controller import ENV_NAMESPACE, ENV_SPARE, ENV_STORE, EXIT_EVICTED
 from resilient_comm.elastic.membership import Gone, Membership, now
 
@@ -124,6 +128,8 @@ class Launcher:
         self._ending = False
         self.workers: list[Worker] = []
         self._sel = selectors.DefaultSelector()
+        self.agent: NodeAgent | None = None
+        self._reaped = False
         self._shutting_down = False
         self._signals = 0
 
@@ -140,7 +146,7 @@ class Launcher:
         return dist.TCPStore(self.host, self.port, None, False, timeout=datetime.timedelta(seconds=60))
 
     def membership(self) -> Membership:
-        return Membership(self.store, self.namespace, self.world_size)
+        return Membership(self.store, self.namespace, self.nnodes)
 
     def _env(self, rank: int, local_rank: int, spare: bool = False) -> dict[str, str]:
         env = dict(os.environ)
@@ -151,7 +157,7 @@ class Launcher:
             "ROLE_WORLD_SIZE": str(self.world_size), "MASTER_ADDR": self.host, "MASTER_PORT": str(self.port),
             "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(self.generation),
             "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts), "TORCHELASTIC_RUN_ID": self.run_id,
-            ENV_STORE: f"{self.host}:{self.port}", ENV_NAMESPACE: self.namespace,
+            ENV_STORE: f"{self.host}:{self.port}", ENV_NAMESPACE: self.namespace, ENV_AGENT: self._agent().path,
         })
         if spare:
             env[ENV_SPARE] = "1"
@@ -163,6 +169,12 @@ class Launcher:
     def start(self) -> None:
         """Start this node's workers and spares (a new generation after a restart)."""
         self.workers, self._next_spare, self._ending = [], 0, False
+        if self.agent is not None:
+            self.agent.stop()
+        self.agent = NodeAgent(self.membership(), self.node_rank, self.nnodes, nproc=self.nproc,
+                               register=lambda f, cb: self._sel.register(f, selectors.EVENT_READ, cb),
+                               unregister=self._sel.unregister)
+        self.agent.start()
         for local_rank in range(self.nproc):
             self._spawn(self.node_rank * self.nproc + local_rank, local_rank)
         for j in range(self.spares):
@@ -179,7 +191,8 @@ class Launcher:
         proc = subprocess.Popen(self.cmd, env=self._env(rank, local_rank, spare), start_new_session=True,
                                 stdout=out, stderr=subprocess.STDOUT if out else None)
         w = Worker(rank, proc, os.pidfd_open(proc.pid), out, spare=spare, local_rank=local_rank)
-        self._sel.register(w.pidfd, selectors.EVENT_READ, w)
+        self._agent().add(rank, proc.pid)
+        self._sel.register(w.pidfd, selectors.EVENT_READ, lambda: self._reap(w))
         self.workers.append(w)
         return w
 
@@ -211,17 +224,30 @@ class Launcher:
         the exit status."""
         while True:
             while any(w.status is None for w in self.workers):
-                for key, _ in self._sel.select():
-                    self._reap(key.data)
-                self._stop_idle_spares()
+                self._serve()
+                if self._reaped:
+                    self._reaped = False
+                    self._stop_idle_spares()
             status = self._status()
             if status == 0 or self._shutting_down or self.generation >= self.max_restarts:
                 self._node_done()
+                self._agent().stop()
                 return status
             self.generation += 1
             log.warning("the job failed (status %d) with no survivor to go on; restart %d of %d",
                         status, self.generation, self.max_restarts)
             self.start()
+
+    def _agent(self) -> NodeAgent:
+        assert self.agent is not None, "start() first"
+        return self.agent
+
+    def _serve(self) -> None:
+        """One turn of the loop: exits (pidfds), the agent's socket, the agent's tick."""
+        agent = self._agent()
+        for key, _ in self._sel.select(agent.next_tick_in()):
+            key.data()
+        agent.tick()
 
     def run(self) -> int:
         self.start()
@@ -232,6 +258,8 @@ class Launcher:
         t = now()
         self._sel.unregister(w.pidfd)
         os.close(w.pidfd)
+        self._reaped = True
+        self._agent().exited(w.rank)
         if w.log is not None:
             w.log.close()
         w.status = shell_status(returncode)
@@ -278,11 +306,19 @@ class Launcher:
         return next((w.status for w in judged if w.status), 0) or 0
 
     def _node_done(self) -> None:
-        """Node 0 hosts the store: it waits for every other node's workers before leaving."""
+        """Node 0 hosts the store: it waits for every other node's workers (or the loss of
+        that node, which its agent goes on watching for) before leaving."""
         key = f"rc/{self.run_id}/node-done/"
+        agent = self._agent()
+        agent.finish()
         self.store.set(key + str(self.node_rank), "1")
-        if self.node_rank == 0 and self.nnodes > 1:
-            self.store.wait([key + str(n) for n in range(1, self.nnodes)])
+        if self.node_rank != 0:
+            return
+        pending = set(range(1, self.nnodes))
+        while pending:
+            pending = {n for n in pending if n not in agent.gone_nodes and not self.store.check([key + str(n)])}
+            if pending:
+                self._serve()
 
     def forward(self, sig: int) -> None:
         """Pass a signal to every live worker; the second signal is SIGKILL."""

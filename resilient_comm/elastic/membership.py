@@ -9,13 +9,12 @@ launcher generation)::
     {ns}/e/{E}/join/{rank}      rank's join record for epoch E
     {ns}/e/{E}/world/           store prefix of epoch E's world group when it is built afresh
     {ns}/gone/{rank}            the first evidence that rank is gone (exit or suspicion), by CAS
-    {ns}/events/{i}             the i-th event ("rank r is gone"), slot claimed by CAS
-    {ns}/wake/{rank}            a queue: one item per event, so rank's events thread can
-                                block on it (and be woken by its own process to stop)
-    {ns}/hb/{rank}              rank's heartbeat
+    {ns}/events/{i}             the i-th event (ranks gone, a decision, the end), slot claimed by CAS
+    {ns}/wake/node/{n}          a queue: one item per event, so node n's agent can block on it
+    {ns}/node/{n}               node n's liveness record (its agent's heartbeat: agent.py)
     {ns}/done/{rank}            rank finished training at this committed step
     {ns}/spare/n, {ns}/spare/{i}  hot spares waiting warm: a counter, and the i-th one's id
-    {ns}/finished               every member finished: waiting spares leave
+    {ns}/finished               every member finished: waiting spares leave (event "finished")
 
 Rules that make the protocol safe (the controller follows them):
 
@@ -33,8 +32,9 @@ Rules that make the protocol safe (the controller follows them):
   evicted and must leave.
 - **Events have no holes**: a poster claims slot i with compare-and-set, so a poster killed
   mid-post never leaves a slot that readers wait on forever; it then pushes a wake-up to
-  every rank's queue (a reader also checks for a next event on each heartbeat, in case a
-  poster died between the two).
+  every node's queue (an agent also looks for a next event every second, in case a poster
+  died between the two). Agents forward events to their workers: no key is read per rank
+  per event.
 """
 
 from __future__ import annotations
@@ -129,17 +129,17 @@ class Membership:
     """Typed access to the membership keys. One instance per thread that uses it (a c10d
     store client serialises its calls, and a blocking wait would hold up the others)."""
 
-    def __init__(self, store: dist.Store, namespace: str, world_size: int) -> None:
+    def __init__(self, store: dist.Store, namespace: str, nodes: int = 1) -> None:
         self.store = store
         self.ns = namespace.rstrip("/")
-        self.world_size = world_size
+        self.nodes = nodes  # agents to wake on an event
 
     def clone(self, timeout: datetime.timedelta | None = None) -> Membership:
         """The same keys through a new connection (for another thread)."""
         store = self.store.clone()  # type: ignore[attr-defined]  # every c10d store has it; the stubs lag
         if timeout is not None:
             store.set_timeout(timeout)
-        return Membership(store, self.ns, self.world_size)
+        return Membership(store, self.ns, self.nodes)
 
     def key(self, *parts: object) -> str:
         return "/".join([self.ns, *map(str, parts)])
@@ -183,44 +183,55 @@ class Membership:
     def report_gone(self, gone: Gone) -> bool:
         """Record `gone` unless the rank is already recorded; on success post an event.
         Returns whether this report was the first."""
-        mine = gone.to_json()
-        first = self.store.compare_set(self.key("gone", gone.rank), "", mine).decode() == mine
+        return bool(self.report_gone_many([gone]))
+
+    def report_gone_many(self, gones: list[Gone], node: int | None = None) -> list[int]:
+        """Record each of `gones` unless its rank is already recorded, and post one event for
+        the ranks this call recorded first (a lost node's processes: one report). Returns them."""
+        first = []
+        for g in gones:
+            mine = g.to_json()
+            if self.store.compare_set(self.key("gone", g.rank), "", mine).decode() == mine:
+                first.append(g.rank)
         if first:
-            self.post_event({"kind": "gone", "rank": gone.rank})
+            self.post_event({"kind": "gone", "ranks": first, **({"node": node} if node is not None else {})})
         return first
 
     def gone(self, ranks: list[int]) -> dict[int, Gone]:
         return {r: Gone.from_json(v) for r, v in self._present([self.key("gone", r) for r in ranks], ranks).items()}
 
     def post_event(self, payload: dict[str, Any]) -> int:
-        """Append an event and wake every rank; returns its index. Slots are claimed by
-        compare-and-set."""
+        """Append an event and wake every node's agent; returns its index. Slots are claimed
+        by compare-and-set."""
         text = json.dumps(payload, sort_keys=True)
         i = 0
         while self.store.compare_set(self.key("events", i), "", text).decode() != text:
             i += 1
-        for r in [*range(self.world_size), *self.spares()]:
-            self.wake(r)
+        for n in range(self.nodes):
+            self.wake_node(n)
         return i
 
     def event(self, i: int) -> dict[str, Any] | None:
         k = self.key("events", i)
         return json.loads(self.store.get(k)) if self.store.check([k]) else None
 
-    def wake(self, rank: int, why: str = "event") -> None:
-        self.store.queue_push(self.key("wake", rank), why)
+    def wake_node(self, node: int, why: str = "event") -> None:
+        self.store.queue_push(self.key("wake", "node", node), why)
 
-    def wait_wake(self, rank: int) -> str:
-        """Block until rank's wake queue has an item (the store's timeout bounds the wait)."""
-        return self.store.queue_pop(self.key("wake", rank)).decode()
+    def wait_node_wake(self, node: int) -> str:
+        """Block until node's wake queue has an item (the store's timeout bounds the wait)."""
+        return self.store.queue_pop(self.key("wake", "node", node)).decode()
 
-    # -- heartbeats and the end -----------------------------------------------------------
+    # -- node records, spares and the end -------------------------------------------------
 
-    def beat(self, rank: int, value: str) -> None:
-        self.store.set(self.key("hb", rank), value)
+    def node_beat(self, node: int, record: str) -> None:
+        self.store.set(self.key("node", node), record)
 
-    def beats(self, ranks: list[int]) -> dict[int, str]:
-        return {r: v.decode() for r, v in self._present([self.key("hb", r) for r in ranks], ranks).items()}
+    def node_record(self, node: int, present: bool = False) -> str | None:
+        """Node's record, or None if it never wrote one. `present`: it is known to exist (a
+        record is overwritten, never deleted), so one get does."""
+        k = self.key("node", node)
+        return self.store.get(k).decode() if present or self.store.check([k]) else None
 
     def register_spare(self, spare_id: int) -> None:
         i = self.store.add(self.key("spare", "n"), 1) - 1

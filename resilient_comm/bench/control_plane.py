@@ -1,0 +1,404 @@
+"""The control plane at scale: N emulated ranks, 8 per node, against one TCPStore.
+
+    resilient-comm bench control-plane                         # N = 64 ... 16384
+    resilient-comm bench control-plane --ranks 64,1024 --seconds 5
+
+Each node is a real `NodeAgent` (the code `resilient-run` runs) with its own store
+connection and events thread, on the real `Membership`; its 8 workers are emulated: they
+beat into the agent (no socket) and, on a failure, do what a controller does on the store
+(propose the next epoch, write a join record; the lowest live member decides with
+`decision.decide` and publishes). Agents are spread over ``--procs`` driver processes; the
+store is served by its own process, whose CPU time is measured.
+
+Per N it reports: store operations per second per node in steady state (counted at every
+client), the store process's CPU, the achieved node-heartbeat period (drivers that fall
+behind show it here, not as fewer operations), driver memory per node, and two failures:
+a worker's exit reported by its agent (the pidfd path) and a whole node going silent (the
+heartbeat path: its predecessor must notice), each timed to every agent informed and to the
+decision published. The baseline, run in the same invocation, is the per-rank store heartbeat
+this replaced (every rank writes its key and reads all N every 100 ms), up to
+``--baseline-max`` ranks: its achieved period and store load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import threading
+import time
+from typing import Any, cast
+
+KEY = "rc/bench"
+
+
+class CountingStore:
+    """A store client that counts its calls (every one is a round trip to the server)."""
+
+    def __init__(self, store: Any, counter: list[int]) -> None:
+        self._s, self.counter = store, counter
+
+    def clone(self) -> CountingStore:
+        return CountingStore(self._s.clone(), self.counter)
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._s, name)
+        if name == "set_timeout":
+            return fn
+
+        def call(*a: Any, **k: Any) -> Any:
+            self.counter[0] += 1
+            return fn(*a, **k)
+
+        return call
+
+
+def _serve(port_q: Any, stop: Any) -> None:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=300), wait_for_workers=False)
+    port_q.put((store.port, os.getpid()))
+    stop.wait()
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def _driver(port: int, nodes: list[int], nnodes: int, per_node: int, conn: Any) -> None:
+    """Run the agents of `nodes` and their emulated workers; obey `conn`'s commands."""
+    import torch.distributed as dist
+
+    from resilient_comm.elastic.agent import NodeAgent
+    from resilient_comm.elastic.decision import decide
+    from resilient_comm.elastic.detector import DetectorConfig
+    from resilient_comm.elastic.membership import Decision, Gone, JoinRecord, Membership
+    from resilient_comm.elastic.policy import Mesh
+
+    cfg = DetectorConfig()
+    world = nnodes * per_node
+    counter = [0]
+    received: list[tuple[int, str, int, float]] = []  # (node, kind, epoch, wall time)
+    state: dict[str, Any] = {"applied": 0, "gone": set()}  # what the emulated workers learnt
+    lock = threading.Lock()
+    silent: set[int] = set()  # nodes stopped by the "silence" command
+
+    class BenchAgent(NodeAgent):
+        beats: list[float]
+        events_m: Membership
+
+        def _node_beat(self) -> None:
+            self.beats.append(time.monotonic())
+            super()._node_beat()
+
+        def broadcast(self, line: str) -> None:  # what the workers of this node would hear
+            ev = json.loads(line.split(" ", 1)[1]) if line.startswith("ev ") else {}
+            t = time.time()
+            with lock:
+                if ev.get("kind") == "decided":
+                    received.append((self.node, "decided", ev["epoch"], t))
+                    state["applied"] = max(state["applied"], ev["epoch"])  # the members: all not gone
+                    return
+                if ev.get("kind") != "gone":
+                    return
+                received.append((self.node, "gone", state["applied"] + 1, t))
+                state["gone"] |= {int(r) for r in ev["ranks"]}
+                applied, gone = state["applied"], set(state["gone"])
+            if self.node in silent:
+                return  # a silent node's workers are gone too
+            m = self.events_m
+            decider = min(r for r in range(world) if r not in gone)
+            for r in range(self.node * per_node, (self.node + 1) * per_node):
+                if r in gone:
+                    continue
+                epoch = m.propose(applied)
+                m.join(epoch, JoinRecord(r, applied, True, 10 + applied, None, time.time()))
+                if r == decider:
+                    threading.Thread(target=_decider, args=(epoch, applied), daemon=True).start()
+
+    def _decider(epoch: int, applied: int) -> None:
+        m = Membership(cast(Any, CountingStore(dist.TCPStore("127.0.0.1", port, None, False), counter)), KEY, nnodes)
+        base = m.decision(applied)
+        assert base is not None
+        while m.decision(epoch) is None:
+            gone = m.gone(base.members)
+            live = [r for r in base.members if r not in gone]
+            joined = m.joined(epoch, live)
+            if set(joined) == set(live):
+                d = m.decide(decide(epoch, base, joined, gone, {}, [], lambda n: None, live[0]))
+                m.post_event({"kind": "decided", "epoch": d.epoch, "joiners": d.joiners})
+                m.store.set(f"{KEY}/published/{epoch}", repr(time.time()))
+                return
+            time.sleep(0.002)  # the controller's decider paces its polls the same way
+
+    agents: dict[int, BenchAgent] = {}
+    for n in nodes:
+        store = CountingStore(dist.TCPStore("127.0.0.1", port, None, False,
+                                            timeout=datetime.timedelta(seconds=120)), counter)
+        a = BenchAgent(Membership(cast(Any, store), KEY, nnodes), n, nnodes, nproc=per_node, config=cfg,
+                       node_heartbeat=0.2)
+        a.beats = []
+        a.events_m = Membership(cast(Any, store.clone()), KEY, nnodes)
+        for r in range(n * per_node, (n + 1) * per_node):
+            a.add(r, 0)
+            a.hello(r, cfg)
+        a.start()
+        agents[n] = a
+    if 0 in agents:
+        Membership(agents[0].m.store, KEY, nnodes).start(
+            Decision(0, list(range(world)), Mesh(dp=world).as_dict(), "init", 0))
+    conn.send("ready")
+    seq, measuring = 0, None
+    while True:
+        seq += 1
+        now = time.monotonic()
+        for n, a in agents.items():
+            if n in silent or a.next_tick_in() > 0:
+                continue
+            for p in a.procs.values():
+                if not p.done:
+                    a.on_beat(p, f"{seq} 10 compute 5.0 10.0 0.100", now)
+            a.tick()
+        if conn.poll():
+            cmd, arg = conn.recv()
+            if cmd == "measure":
+                counter[0], measuring = 0, (time.monotonic(), arg)
+                for a in agents.values():
+                    a.beats.clear()
+            elif cmd == "exit":
+                a = agents[arg // per_node]
+                t0 = time.time()
+                a.exited(arg)
+                a.m.report_gone(Gone(arg, "exit", "killed by SIGKILL", t0, "launcher"))
+                conn.send(t0)
+            elif cmd == "silence":
+                silent.add(arg)
+                conn.send(time.time())
+            elif cmd == "collect":
+                with lock:
+                    conn.send(list(received))
+            elif cmd == "quit":
+                for a in agents.values():
+                    a._stop.set()
+                conn.send("bye")
+                return
+        if measuring and time.monotonic() - measuring[0] >= measuring[1]:
+            gaps = [b - a for ag in agents.values() for a, b in zip(ag.beats, ag.beats[1:])]
+            conn.send({"ops": counter[0], "seconds": time.monotonic() - measuring[0], "gaps": gaps,
+                       "rss_mb": _rss_mb()})
+            measuring = None
+        wait = min([a.next_tick_in() for n, a in agents.items() if n not in silent] + [0.01])
+        if wait > 0:
+            time.sleep(wait)  # pacing the emulated workers' beats
+
+
+def _baseline(port: int, ranks: list[int], world: int, seconds: float, conn: Any) -> None:
+    """The replaced design: each rank writes its heartbeat key and reads all N every 100 ms."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=120))
+    keys = [f"{KEY}/hb/{r}" for r in range(world)]
+    for r in ranks:
+        store.set(keys[r], "0")
+    conn.send("ready")
+    conn.recv()
+    next_at = {r: time.monotonic() for r in ranks}
+    periods: list[float] = []
+    last = dict(next_at)
+    ops, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        r = min(next_at, key=next_at.__getitem__)
+        delay = next_at[r] - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)  # pacing
+        t = time.monotonic()
+        store.set(keys[r], str(t))
+        if store.check(keys):
+            store.multi_get(keys)
+        ops += 3
+        periods.append(t - last[r])
+        last[r], next_at[r] = t, max(next_at[r] + 0.1, t)
+    conn.send({"ops": ops, "periods": periods[len(ranks):], "reads": ops // 3 * 2 * world})
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def run_one(n_ranks: int, per_node: int, procs: int, seconds: float, baseline_max: int) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    port_q, stop = ctx.Queue(), ctx.Event()
+    server = ctx.Process(target=_serve, args=(port_q, stop), daemon=True)
+    server.start()
+    port, spid = port_q.get(timeout=60)
+    nnodes = n_ranks // per_node
+    procs = max(1, min(procs, nnodes))
+    owners = [list(range(nnodes))[i::procs] for i in range(procs)]
+    pipes, drivers = [], []
+    for nodes in owners:
+        parent, child = ctx.Pipe()
+        d = ctx.Process(target=_driver, args=(port, nodes, nnodes, per_node, child), daemon=True)
+        d.start()
+        pipes.append(parent)
+        drivers.append(d)
+    for p in pipes:
+        assert p.recv() == "ready"
+    owner = {n: i for i, nodes in enumerate(owners) for n in nodes}
+    time.sleep(max(1.0, seconds / 2))  # warm-up: every agent beats and reads its successor
+    cpu0 = _cpu_s(spid)
+    for p in pipes:
+        p.send(("measure", seconds))
+    res = [p.recv() for p in pipes]
+    cpu = (_cpu_s(spid) - cpu0) / max(r["seconds"] for r in res)
+    ops = sum(r["ops"] / r["seconds"] for r in res)
+    gaps = [g for r in res for g in r["gaps"]]
+    row: dict[str, Any] = {
+        "ranks": n_ranks, "nodes": nnodes, "store_ops_s": ops, "ops_s_per_node": ops / nnodes,
+        "store_cpu": cpu, "node_beat_p50_ms": 1e3 * _pct(gaps, 0.5), "node_beat_p99_ms": 1e3 * _pct(gaps, 0.99),
+        "driver_mb_per_node": sum(r["rss_mb"] for r in res) / nnodes,
+    }
+    # A worker's exit (rank 8k+3 of the middle node), then a whole node going silent.
+    import torch.distributed as dist
+
+    from resilient_comm.elastic.membership import Membership
+
+    client = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=60))
+    m = Membership(client, KEY, nnodes)
+    for label, epoch, node, cmd in (("exit", 1, nnodes // 2, "exit"), ("silent node", 2, max(1, nnodes // 4),
+                                                                       "silence")):
+        pipe = pipes[owner[node]]
+        pipe.send((cmd, node * per_node + 3 if cmd == "exit" else node))
+        t0 = pipe.recv()
+        client.wait([f"{KEY}/published/{epoch}"], datetime.timedelta(seconds=60))
+        published = float(client.get(f"{KEY}/published/{epoch}").decode())
+        deadline = time.monotonic() + 30
+        while True:  # every live agent has the decision's event
+            got: list[tuple[int, str, int, float]] = []
+            for p in pipes:
+                p.send(("collect", None))
+                got += p.recv()
+            heard = {n: t for n, k, e, t in got if k == "gone" and e == epoch}
+            told = {n: t for n, k, e, t in got if k == "decided" and e == epoch}
+            live = nnodes - (1 if epoch == 2 else 0)
+            if len(told) >= live or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)  # polling the drivers' logs of received events
+        dec = m.decision(epoch)
+        assert dec is not None and len(dec.lost) == (1 if cmd == "exit" else per_node), dec and dec.lost
+        row[f"{label}: informed_s"] = max(heard.values()) - t0
+        row[f"{label}: decision_s"] = published - t0
+        row[f"{label}: told_s"] = max(told.values()) - t0
+    for p in pipes:
+        p.send(("quit", None))
+        p.recv()
+    for d in drivers:
+        d.join(10)
+    if n_ranks <= baseline_max:
+        row.update(_run_baseline(ctx, port, n_ranks, procs, seconds, spid))
+    stop.set()
+    server.join(10)
+    return row
+
+
+def _run_baseline(ctx: Any, port: int, n: int, procs: int, seconds: float, spid: int) -> dict[str, Any]:
+    pipes, ps = [], []
+    for i in range(procs):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_baseline, args=(port, list(range(n))[i::procs], n, seconds, child), daemon=True)
+        p.start()
+        pipes.append(parent)
+        ps.append(p)
+    for p in pipes:
+        assert p.recv() == "ready"
+    cpu0 = _cpu_s(spid)
+    t0 = time.monotonic()
+    for p in pipes:
+        p.send("go")
+    res = [p.recv() for p in pipes]
+    took = time.monotonic() - t0
+    for p in ps:
+        p.join(10)
+    periods = [x for r in res for x in r["periods"]]
+    return {"baseline_period_p50_ms": 1e3 * _pct(periods, 0.5), "baseline_period_p99_ms": 1e3 * _pct(periods, 0.99),
+            "baseline_ops_s_per_node": sum(r["ops"] for r in res) / took / (n // 8),
+            "baseline_store_cpu": (_cpu_s(spid) - cpu0) / took}
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    xs = [r["ranks"] for r in rows]
+    ax[0].plot(xs, [r["ops_s_per_node"] for r in rows], "o-", label="node agents")
+    base = [r for r in rows if "baseline_ops_s_per_node" in r]
+    ax[0].plot([r["ranks"] for r in base], [r["baseline_ops_s_per_node"] for r in base], "s--",
+               label="per-rank heartbeats (replaced)")
+    ax[0].axhline(20, color="grey", lw=0.8, ls=":")
+    ax[0].set(xscale="log", yscale="log", xlabel="ranks", ylabel="store ops/s per node", title="steady state")
+    ax[0].legend()
+    for label in ("exit", "silent node"):
+        ax[1].plot(xs, [r[f"{label}: decision_s"] for r in rows], "o-", label=f"{label}: decision published")
+    ax[1].set(xscale="log", xlabel="ranks", ylabel="seconds after the failure", title="failure -> decision")
+    ax[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="resilient-comm bench control-plane", description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", default="64,256,1024,4096,16384", help="emulated ranks, comma-separated")
+    p.add_argument("--per-node", type=int, default=8)
+    p.add_argument("--procs", type=int, default=4, help="driver processes the agents are spread over")
+    p.add_argument("--seconds", type=float, default=5.0, help="steady-state window per point")
+    p.add_argument("--baseline-max", type=int, default=1024, help="largest N of the per-rank heartbeat baseline")
+    p.add_argument("--out", default=None, help="write JSON (and a PNG next to it) here")
+    a = p.parse_args(argv)
+    from resilient_comm.bench.common import machine
+
+    ranks = [int(x) for x in a.ranks.split(",")]
+    if any(r % a.per_node or r < 2 * a.per_node for r in ranks):
+        p.error(f"--ranks must be multiples of --per-node {a.per_node}, with at least 2 nodes")
+    rows = []
+    print(f"control plane: {ranks} emulated ranks, {a.per_node} per node, {a.procs} drivers, "
+          f"{a.seconds:g} s windows", flush=True)
+    for n in ranks:
+        t0 = time.monotonic()
+        rows.append(run_one(n, a.per_node, a.procs, a.seconds, a.baseline_max))
+        print(f"  {n} ranks done in {time.monotonic() - t0:.0f} s", flush=True)
+    head = (f"{'ranks':>6} {'nodes':>5} {'ops/s/node':>10} {'store cpu':>9} {'beat p50/p99 ms':>15} "
+            f"{'MB/node':>7} {'exit->dec s':>11} {'silent->dec s':>13} {'baseline ops/s/node':>19} {'period p50':>10}")
+    print(head)
+    for r in rows:
+        base = (f"{r['baseline_ops_s_per_node']:19.0f} {r['baseline_period_p50_ms']:8.0f}ms"
+                if "baseline_ops_s_per_node" in r else f"{'-':>19} {'-':>10}")
+        print(f"{r['ranks']:6d} {r['nodes']:5d} {r['ops_s_per_node']:10.1f} {100 * r['store_cpu']:8.0f}% "
+              f"{r['node_beat_p50_ms']:7.0f}/{r['node_beat_p99_ms']:<7.0f} {r['driver_mb_per_node']:7.1f} "
+              f"{r['exit: decision_s']:11.2f} {r['silent node: decision_s']:13.2f} {base}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"machine": machine(), "rows": rows, "config": vars(a)}, f, indent=1)
+        png = os.path.splitext(a.out)[0] + ".png"
+        print(f"wrote {a.out}" + (f" and {png}" if plot(rows, png) else " (no matplotlib: no PNG)"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

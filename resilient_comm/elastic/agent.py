@@ -1,0 +1,526 @@
+"""The node agent: each node's ``resilient-run`` watches its own processes and speaks for them.
+
+Workers never touch the store per heartbeat. What each side does (docs/elastic.md, "Node
+agents"):
+
+- **Workers** (and waiting spares) beat over a node-local Unix socket every
+  ``heartbeat_s`` (~100 ms). The agent applies the dead-vs-slow bounds of `detector` to
+  them on its own monotonic clock (silence; a straggler is a member computing while another
+  member of this node, or of the node before this one, waits) and reports a suspect once.
+  Exits come from the pidfds, as before.
+- **One liveness record per node**, ``{ns}/node/{n}``, rewritten every node heartbeat
+  (``RESILIENT_COMM_NODE_HEARTBEAT_MS``, 200 ms): a sequence number and the last beat of each
+  of its member processes. The agent of node n reads only its *ring successor*'s record
+  (the next node not known gone), so the steady-state store load is two operations per node
+  heartbeat per node (a set and a get), whatever the number of ranks. A record whose sequence stops for longer
+  than the node bound (``max(silence floor, min_silent_reads x node heartbeat)``) means the
+  node is lost: its predecessor reports every process of the record gone in one event, and
+  watches the next node. Stragglers on the successor are judged from its record.
+- **Events** (a rank gone, a decision published, the job finished) wake one queue per node,
+  ``{ns}/wake/node/{n}``; the agent's events thread reads each event once and forwards it to
+  its processes, with the gone records it names. Every second the agent also looks for an
+  event past the last one read, in case a poster died between posting and waking.
+
+Protocol on the socket: ASCII lines of at most `MAX_LINE` bytes.
+
+    worker -> agent   hello <rank> <heartbeat_ms> <silence_floor_ms> <straggler_floor_ms>
+                            <slow_factor> <min_silent_reads>
+                      hb <seq> <step> <phase> <elapsed_ms> <p99_ms> <comm_ms>
+                      bye                   it stops beating on purpose (closing): judged no more
+    agent -> worker   ev <event as JSON>     gone events carry their records under "gone"
+                      lost <reason>          the agent lost the store: no recovery is possible
+
+Trust: the socket lives in a directory only this user can enter, and a connection is kept
+only if its peer (``SO_PEERCRED``) is one of the agent's processes, or a descendant of one,
+claiming that process's rank. Anything else -- a stray connection, a malformed line, an
+oversized one -- is dropped with a log line; it never reaches the store.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import logging
+import os
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from resilient_comm.elastic.detector import WAITING, DetectorConfig, PeerView, silence_why, straggler_why
+from resilient_comm.elastic.membership import Gone, Membership
+
+log = logging.getLogger("resilient_comm.agent")
+
+ENV_AGENT = "RESILIENT_COMM_AGENT"  # path of the node agent's socket, in every worker's environment
+MAX_LINE = 1024
+
+
+def node_heartbeat_s() -> float:
+    from resilient_comm.config import knobs
+
+    value = next(k for k in knobs() if k.name == "RESILIENT_COMM_NODE_HEARTBEAT_MS").value
+    try:
+        seconds = float(value) / 1e3
+    except ValueError:
+        raise ValueError(f"RESILIENT_COMM_NODE_HEARTBEAT_MS={value!r} is not a number") from None
+    if not seconds > 0:
+        raise ValueError(f"RESILIENT_COMM_NODE_HEARTBEAT_MS must be positive, got {value!r}")
+    return seconds
+
+
+def parse_hello(fields: list[str]) -> tuple[int, DetectorConfig]:
+    """``hello``'s fields (after the word) -> (rank, the worker's detection config)."""
+    if len(fields) != 6:
+        raise ValueError(f"hello has {len(fields)} fields, expected 6")
+    rank, hb, silence, straggler, factor, reads = fields
+    cfg = DetectorConfig(heartbeat_s=float(hb) / 1e3, silence_floor_s=float(silence) / 1e3,
+                         straggler_floor_s=float(straggler) / 1e3, slow_factor=float(factor),
+                         min_silent_reads=int(reads))
+    return int(rank), cfg
+
+
+def hello_line(rank: int, cfg: DetectorConfig) -> str:
+    return (f"hello {rank} {1e3 * cfg.heartbeat_s:g} {1e3 * cfg.silence_floor_s:g} {1e3 * cfg.straggler_floor_s:g} "
+            f"{cfg.slow_factor:g} {cfg.min_silent_reads}")
+
+
+@dataclass
+class Proc:
+    """One process of this node (a worker or a spare), as its agent sees it."""
+
+    rank: int
+    pid: int
+    cfg: DetectorConfig | None = None  # from its hello
+    view: PeerView = field(default_factory=PeerView)
+    beat: str = ""  # its last heartbeat line's fields
+    placed: bool = False  # a spare that a decision placed (from then on it is judged like a member)
+    done: bool = False  # exited or reported: never judged again
+    conn: socket.socket | None = None
+
+    def judged(self) -> bool:
+        """Whether its beats are held to the bounds: a member, not a spare still waiting."""
+        return not self.done and self.cfg is not None and (self.view.phase != "spare" or self.placed)
+
+
+@dataclass
+class RemoteProc:
+    """A process of the ring successor, from that node's record."""
+
+    view: PeerView
+    cfg: DetectorConfig
+
+
+def _cfg_fields(c: DetectorConfig) -> list[float]:
+    return [c.silence_floor_s, c.straggler_floor_s, c.slow_factor, c.min_silent_reads]
+
+
+def _peer_pid(conn: socket.socket) -> tuple[int, int]:
+    pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid, uid
+
+
+def _ancestors(pid: int) -> list[int]:
+    """pid and its ancestors up to init (from /proc; stops at a process that is gone)."""
+    chain: list[int] = []
+    while pid > 1 and len(chain) < 64:
+        chain.append(pid)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            break
+        pid = int(stat[stat.rindex(b")") + 2:].split()[1])  # the field after the state: ppid
+    return chain
+
+
+class _Conn:
+    """A connection on the agent's socket, before and after its hello."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+        self.proc: Proc | None = None
+
+
+class NodeAgent:
+    """Detection for one node. Threads: the launcher's loop calls `add`, `exited`, `tick` and
+    the socket callbacks; the events thread (`start`) forwards events. `broadcast` may be
+    called from either; `stop` from the launcher's loop."""
+
+    def __init__(self, membership: Membership, node: int, nnodes: int, *, nproc: int,
+                 config: DetectorConfig | None = None, node_heartbeat: float | None = None,
+                 register: Callable[[Any, Callable[[], None]], object] | None = None,
+                 unregister: Callable[[Any], object] | None = None) -> None:
+        """`register(fileobj, callback)` / `unregister(fileobj)` put the socket and its
+        connections in the caller's event loop (the launcher's selector); without them the
+        agent has no socket (the benchmark feeds beats by `on_beat`)."""
+        self.m, self.node, self.nnodes, self.nproc = membership, node, nnodes, nproc
+        self.cfg = config or DetectorConfig.from_env()
+        self.node_hb = node_heartbeat or node_heartbeat_s()
+        self.procs: dict[int, Proc] = {}
+        self.gone_nodes: set[int] = set()  # lost, or finished (their agents said so)
+        self._finished = False
+        self._lock = threading.Lock()  # procs' connections and gone_nodes: both threads
+        self._seq = 0
+        self._next_tick = time.monotonic()
+        self._next_node_beat = self._next_tick
+        self._next_missed_check = self._next_tick
+        self._watched: int | None = None  # the ring successor
+        self._succ_view = PeerView()
+        self._succ_procs: dict[int, RemoteProc] = {}
+        self._succ_ranks: list[int] = []
+        self._next_event = 0
+        self._stop = threading.Event()
+        self._events_thread: threading.Thread | None = None
+        self._register, self._unregister = register, unregister
+        self._dir: str | None = None
+        self._listener: socket.socket | None = None
+        self._conns: list[_Conn] = []
+        self.store_lost: str | None = None
+        if register is not None:
+            self._dir = tempfile.mkdtemp(prefix="rc-agent-")  # mode 0700: only this user gets in
+            self.path = os.path.join(self._dir, "agent.sock")
+            self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._listener.bind(self.path)
+            self._listener.listen(256)
+            self._listener.setblocking(False)
+            register(self._listener, self._accept)
+        else:
+            self.path = ""
+
+    # -- processes ------------------------------------------------------------------------
+
+    def add(self, rank: int, pid: int) -> None:
+        with self._lock:
+            self.procs[rank] = Proc(rank, pid)
+
+    def exited(self, rank: int) -> None:
+        """The process ended (its exit is reported by the launcher): it is judged no more."""
+        with self._lock:
+            p = self.procs.get(rank)
+            if p is not None:
+                p.done = True
+                conn = p.conn
+        if p is not None and conn is not None:
+            self._close(next((c for c in self._conns if c.sock is conn), None))
+
+    def hello(self, rank: int, cfg: DetectorConfig) -> Proc:
+        """A process said hello (the benchmark calls this directly)."""
+        with self._lock:
+            p = self.procs[rank]
+            p.cfg, p.view = cfg, PeerView(changed_at=time.monotonic())
+        return p
+
+    def on_beat(self, p: Proc, text: str, t: float) -> None:
+        p.beat = text
+        p.view.update(text, t)
+
+    # -- the socket -----------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except BlockingIOError:
+                return
+            c = _Conn(sock)
+            sock.settimeout(1.0)  # a send to a wedged worker gives up (and drops it) after 1 s
+            self._conns.append(c)
+            assert self._register is not None
+            self._register(sock, functools.partial(self._readable, c))
+
+    def _close(self, c: _Conn | None, why: str = "") -> None:
+        if c is None or c not in self._conns:
+            return
+        self._conns.remove(c)
+        if why:
+            log.warning("node %d: dropped a connection to its agent (%s)", self.node, why)
+        if self._unregister is not None:
+            self._unregister(c.sock)
+        with self._lock:
+            if c.proc is not None and c.proc.conn is c.sock:
+                c.proc.conn = None
+        c.sock.close()
+
+    def _readable(self, c: _Conn) -> None:
+        try:
+            data = c.sock.recv(65536)
+        except OSError as e:
+            self._close(c, f"recv: {e}")
+            return
+        if not data:
+            self._close(c)  # the process ended or closed it; its exit comes from the pidfd
+            return
+        c.buf += data
+        t = time.monotonic()
+        while (end := c.buf.find(b"\n")) >= 0:
+            line, c.buf = bytes(c.buf[:end]), c.buf[end + 1:]
+            why = self._line(c, line, t)
+            if why:
+                self._close(c, why)
+                return
+        if len(c.buf) > MAX_LINE:
+            self._close(c, f"a line longer than {MAX_LINE} bytes")
+
+    def _line(self, c: _Conn, line: bytes, t: float) -> str:
+        """Handle one line; returns why the connection must be dropped ("" to keep it)."""
+        try:
+            word, *fields = line.decode("ascii").split()
+        except (UnicodeDecodeError, ValueError):
+            return f"not a protocol line: {line[:40]!r}"
+        if c.proc is None:
+            if word != "hello":
+                return f"first line is not hello: {line[:40]!r}"
+            try:
+                rank, cfg = parse_hello(fields)
+            except ValueError as e:
+                return f"bad hello {line[:80]!r}: {e}"
+            pid, uid = _peer_pid(c.sock)
+            with self._lock:
+                p = self.procs.get(rank)
+            if uid != os.getuid() or p is None or p.done or p.pid not in _ancestors(pid):
+                return f"pid {pid} (uid {uid}) is not process {rank} of this node"
+            c.proc = self.hello(rank, cfg)
+            with self._lock:
+                c.proc.conn = c.sock
+            return ""
+        if word == "bye" and not fields:
+            with self._lock:
+                c.proc.done = True
+            return ""
+        if word != "hb" or len(fields) != 6:
+            return f"unexpected line {line[:40]!r}"
+        try:
+            self.on_beat(c.proc, " ".join(fields), t)
+        except ValueError as e:
+            return f"bad heartbeat {line[:80]!r}: {e}"
+        return ""
+
+    def broadcast(self, line: str) -> None:
+        """Send `line` to every connected process (a wedged one is dropped after 1 s)."""
+        data = (line + "\n").encode()
+        with self._lock:
+            socks = [p.conn for p in self.procs.values() if p.conn is not None]
+        for s in socks:
+            try:
+                s.sendall(data)
+            except OSError as e:  # it closed or ended meanwhile (a wedged one: after 1 s)
+                log.debug("node %d: could not send to a worker: %s", self.node, e)
+
+    # -- judging, the node record, the ring -----------------------------------------------
+
+    def next_tick_in(self) -> float:
+        return max(0.0, self._next_tick - time.monotonic())
+
+    def tick(self) -> None:
+        """Called by the loop when `next_tick_in()` is 0: judge this node's processes; at each
+        node heartbeat, write this node's record and read the successor's."""
+        t = time.monotonic()
+        if t < self._next_tick:
+            return
+        self._next_tick = t + min([p.cfg.heartbeat_s for p in self.procs.values() if p.cfg] + [self.cfg.heartbeat_s])
+        with self._lock:
+            procs = [p for p in self.procs.values() if p.judged()]
+        for p in procs:
+            if p.view.seq >= 0 and p.view.changed_at < t:
+                p.view.unchanged_reads += 1
+        observers = [p.view for p in procs if p.view.phase in WAITING]
+        for p in procs:
+            assert p.cfg is not None
+            if p.view.phase == "done":
+                continue  # finished: it leaves, and its exit is reported
+            why = silence_why(p.view, t, p.cfg) or self._straggler(p.view, p.cfg, observers, t)
+            if why:
+                self._suspect([p.rank], why, time.time() - (t - p.view.changed_at))
+        if t >= self._next_node_beat:
+            self._next_node_beat = t + self.node_hb
+            try:
+                if not self._finished:
+                    self._node_beat()
+                self._watch_successor(observers, t)
+                if t >= self._next_missed_check:
+                    self._next_missed_check = t + 1.0
+                    if self.m.event(self._next_event) is not None:
+                        self.m.wake_node(self.node, "missed")  # its poster died before waking us
+            except dist.DistError as e:
+                self._lost(e)
+
+    @staticmethod
+    def _straggler(view: PeerView, cfg: DetectorConfig, observers: list[PeerView], t: float) -> str | None:
+        return next((w for w in (straggler_why(view, o.step, o.phase, t, cfg) for o in observers if o is not view)
+                     if w), None)
+
+    def _suspect(self, ranks: list[int], why: str, failed_at: float, node: int | None = None) -> None:
+        with self._lock:
+            for r in ranks:
+                if r in self.procs:
+                    self.procs[r].done = True
+        gones = [Gone(r, "suspect", why, failed_at, f"agent {self.node}") for r in ranks]
+        try:
+            first = self.m.report_gone_many(gones, node=node)
+        except dist.DistError as e:
+            self._lost(e)
+            return
+        if first:
+            log.warning("node %d suspects %s %s: %s", self.node, "ranks" if len(first) > 1 else "rank",
+                        ",".join(map(str, first)), why)
+
+    def record(self) -> str:
+        """This node's liveness record: a sequence number and, for every process it runs, the
+        last beat of a judged one ("" for one not judged: it has not said hello yet, or is a
+        spare still waiting). A lost node's report names them all."""
+        self._seq += 1
+        with self._lock:
+            procs = {p.rank: [p.beat if p.judged() else "", *_cfg_fields(p.cfg or self.cfg)]
+                     for p in self.procs.values() if not p.done}
+        return json.dumps({"seq": self._seq, "procs": procs}, separators=(",", ":"))
+
+    def _node_beat(self) -> None:
+        self.m.node_beat(self.node, self.record())
+
+    def finish(self) -> None:
+        """Every process of this node has ended: a last record says so, so that the node's
+        watcher moves on without suspecting it. The agent still watches its successor."""
+        self._finished = True
+        self._seq += 1
+        try:
+            self.m.node_beat(self.node, json.dumps({"seq": self._seq, "procs": {}, "done": True}))
+        except dist.DistError as e:
+            self._lost(e)
+
+    def successor(self) -> int | None:
+        with self._lock:
+            gone = set(self.gone_nodes)
+        for i in range(1, self.nnodes):
+            n = (self.node + i) % self.nnodes
+            if n not in gone:
+                return n
+        return None
+
+    def _watch_successor(self, observers: list[PeerView], t: float) -> None:
+        succ = self.successor()
+        if succ != self._watched:
+            self._watched, self._succ_view, self._succ_procs, self._succ_ranks = succ, PeerView(), {}, []
+        if succ is None:
+            return
+        view = self._succ_view
+        text = self.m.node_record(succ, present=view.seq >= 0)
+        if text is not None:
+            try:
+                rec = json.loads(text)
+                seq, procs = int(rec["seq"]), rec["procs"]
+                if rec.get("done"):
+                    with self._lock:
+                        self.gone_nodes.add(succ)  # it ended: watch the next one
+                    return
+                if seq != view.seq:
+                    view.seq, view.changed_at, view.unchanged_reads = seq, t, 0
+                    self._succ_ranks = sorted(int(r) for r in procs)
+                    for r, (beat, silence, straggler, factor, reads) in procs.items():
+                        cfg = DetectorConfig(silence_floor_s=silence, straggler_floor_s=straggler,
+                                             slow_factor=factor, min_silent_reads=int(reads))
+                        if beat:
+                            rp = self._succ_procs.setdefault(int(r), RemoteProc(PeerView(changed_at=t), cfg))
+                            rp.view.update(beat, t)
+                else:
+                    view.unchanged_reads += 1
+            except (ValueError, KeyError, TypeError) as e:
+                log.warning("node %d: node %d's record is malformed (%s): ignored", self.node, succ, e)
+                return
+        if view.seq < 0:
+            return  # not started yet: a node that never starts is the launchers' business
+        bound = max(self.cfg.silence_floor_s, self.cfg.min_silent_reads * self.node_hb)
+        silent = t - view.changed_at
+        if silent > bound and view.unchanged_reads >= self.cfg.min_silent_reads:
+            why = f"node {succ} silent for {silent:.2f} s > bound {bound:.2f} s (its agent and record stopped)"
+            self._suspect(self._succ_ranks, why, time.time() - silent, node=succ)
+            with self._lock:
+                self.gone_nodes.add(succ)
+            return
+        for r, rp in list(self._succ_procs.items()):
+            late = self._straggler(rp.view, rp.cfg, observers, t)
+            if late:
+                del self._succ_procs[r]  # reported once
+                self._suspect([r], f"{late} (seen by node {self.node})", time.time() - (t - rp.view.changed_at))
+
+    # -- events ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the events thread (its own store connection)."""
+        self._events_thread = threading.Thread(target=self._events_loop, name="rc-agent-events", daemon=True)
+        self._events_thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._events_thread is not None and self._events_thread.is_alive():
+            try:
+                self.m.wake_node(self.node, "stop")
+            except dist.DistError:
+                pass  # the store is gone: the thread has ended
+            self._events_thread.join()
+        for c in list(self._conns):
+            self._close(c)
+        if self._listener is not None:
+            if self._unregister is not None:
+                self._unregister(self._listener)
+            self._listener.close()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _lost(self, e: BaseException) -> None:
+        if self.store_lost is None and not self._stop.is_set():
+            self.store_lost = f"node {self.node}'s agent lost the store: {e}"
+            log.error("%s", self.store_lost)
+            self.broadcast(f"lost {self.store_lost}")
+
+    def _events_loop(self) -> None:
+        # Blocks on the node's queue (no timeout that would log every second); the loop's
+        # missed-event check and `stop` push to it.
+        m = self.m.clone(timeout=datetime.timedelta(days=1))
+        while not self._stop.is_set():
+            try:
+                m.wait_node_wake(self.node)
+                if self._stop.is_set():
+                    return
+                while (ev := m.event(self._next_event)) is not None:
+                    self._next_event += 1
+                    self._forward(m, ev)
+            except dist.DistError as e:
+                self._lost(e)
+                return
+
+    def _forward(self, m: Membership, ev: dict[str, Any]) -> None:
+        try:
+            kind = ev["kind"]
+            if kind == "gone":
+                ranks = [int(r) for r in ev["ranks"]]
+                ev = {**ev, "gone": [asdict(g) for g in m.gone(ranks).values()]}
+                with self._lock:
+                    if ev.get("node") is not None:
+                        self.gone_nodes.add(int(ev["node"]))
+                    for r in ranks:
+                        if r in self.procs:
+                            self.procs[r].done = True
+            elif kind == "decided":
+                with self._lock:
+                    for r in ev["joiners"]:
+                        if int(r) in self.procs:
+                            self.procs[int(r)].placed = True
+            line = "ev " + json.dumps(ev, separators=(",", ":"))
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("node %d: event %d is malformed (%s): ignored", self.node, self._next_event - 1, e)
+            return
+        self.broadcast(line)
+
+
+__all__ = ["ENV_AGENT", "MAX_LINE", "NodeAgent", "Proc", "hello_line", "node_heartbeat_s", "parse_hello"]

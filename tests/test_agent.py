@@ -1,0 +1,198 @@
+"""The node agent (resilient-run's side of detection): node records watched around a ring,
+one report for a lost node, stragglers on the next node, the socket's trust rule, and what a
+worker does when its agent is gone. Unit tests drive `NodeAgent`s without sockets on a real
+TCPStore; the others run real workers under a real launcher."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from resilient_comm.elastic import DetectorConfig, Membership
+from resilient_comm.elastic.agent import NodeAgent, Proc
+from resilient_comm.elastic.toy import ToyJob
+
+CFG = DetectorConfig(heartbeat_s=0.02, silence_floor_s=0.3, straggler_floor_s=0.3, slow_factor=10.0)
+
+
+@pytest.fixture
+def store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+
+
+def _agents(store: dist.TCPStore, nodes: int, per_node: int = 2) -> list[NodeAgent]:
+    agents = []
+    for n in range(nodes):
+        m = Membership(store.clone(), "rc/a", nodes)  # type: ignore[attr-defined]
+        a = NodeAgent(m, n, nodes, nproc=per_node, config=CFG, node_heartbeat=0.04)
+        for r in range(n * per_node, (n + 1) * per_node):
+            a.add(r, 0)
+            a.hello(r, CFG)
+        agents.append(a)
+    return agents
+
+
+def _drive(agents: list[NodeAgent], beats: Callable[[int, Proc], str | None], until: Callable[[], bool],
+           timeout_s: float) -> float:
+    """Tick `agents` (each of its processes beating `beats(seq, proc)`, None: silent) until
+    `until()`; returns the seconds it took."""
+    t0, seq = time.monotonic(), 0
+    while not until():
+        assert time.monotonic() - t0 < timeout_s, "the condition was not reached in time"
+        seq += 1
+        for a in agents:
+            for p in list(a.procs.values()):
+                text = beats(seq, p)
+                if text is not None:
+                    a.on_beat(p, text, time.monotonic())
+            a.tick()
+        time.sleep(min(a.next_tick_in() for a in agents))  # pacing the fake workers' beats
+    return time.monotonic() - t0
+
+
+@pytest.mark.timeout(30)
+def test_a_lost_node_is_reported_once_by_its_ring_predecessor(store: dist.TCPStore) -> None:
+    agents = _agents(store, 3)
+    m = Membership(store, "rc/a", 3)
+    lost: set[int] = set()
+    _drive(agents, lambda s, p: f"{s} 4 compute 1.0 10.0 0.1", lambda: all(
+        m.node_record(n) is not None for n in range(3)), 5)
+    rec = json.loads(m.node_record(1) or "")
+    assert sorted(rec["procs"]) == ["2", "3"] and rec["procs"]["2"][0].endswith(" 4 compute 1.0 10.0 0.1")
+    # Node 2 stops: its agent and its workers (a whole-node SIGKILL, or a partition).
+    lost.add(2)
+    took = _drive([a for a in agents if a.node not in lost], lambda s, p: f"{s} 4 compute 1.0 10.0 0.1",
+                  lambda: bool(m.gone([4, 5])), 5)
+    assert 0.3 <= took < 1.5, f"node 2 reported {took:.2f} s after it stopped (bound 0.3 s)"
+    gone = m.gone([0, 1, 2, 3, 4, 5])
+    assert sorted(gone) == [4, 5], gone
+    assert all(g.kind == "suspect" and g.by == "agent 1" and "node 2 silent for" in g.detail for g in gone.values())
+    events = [m.event(i) for i in range(3)]
+    assert events[0] == {"kind": "gone", "ranks": [4, 5], "node": 2} and events[1] is None, events
+    # Node 1 now watches node 0: a node whose agent finished is skipped, not suspected.
+    agents[0].finish()
+    _drive([agents[1]], lambda s, p: f"{s} 4 compute 1.0 10.0 0.1", lambda: 0 in agents[1].gone_nodes, 5)
+    assert agents[1].successor() is None and m.event(1) is None, "a finished node was reported"
+
+
+@pytest.mark.timeout(30)
+def test_the_ring_judges_stragglers_on_the_next_node_and_ignores_a_malformed_record(
+        store: dist.TCPStore, caplog: pytest.LogCaptureFixture) -> None:
+    agents = _agents(store, 2, per_node=1)
+    m = Membership(store, "rc/a", 2)
+
+    def beats(s: int, p: Proc) -> str:  # rank 0 waits at step 7's sync; rank 1 computes step 7
+        return f"{s} 7 sync 5.0 10.0 0.1" if p.rank == 0 else f"{s} 7 compute {1e3 * 0.02 * s:.1f} 10.0 0.1"
+
+    took = _drive(agents, beats, lambda: bool(m.gone([1])), 10)
+    g = m.gone([1])[1]
+    assert g.by == "agent 0" and "straggler: computing step 7" in g.detail and "seen by node 0" in g.detail, g
+    assert took < 2.0, took
+    m.node_beat(0, "{not json")
+    with caplog.at_level(logging.WARNING, logger="resilient_comm.agent"):
+        agents[1]._next_tick = agents[1]._next_node_beat = 0.0
+        agents[1].tick()
+    assert "node 0's record is malformed" in caplog.text and not m.gone([0])
+
+
+def _connect(path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(path)
+    return s
+
+
+def _closed_by_peer(s: socket.socket) -> bool:
+    try:
+        return s.recv(1) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+
+
+@pytest.mark.timeout(120)
+def test_stray_and_malformed_connections_to_the_agent_are_dropped_and_training_goes_on(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    hold = 5
+    job = ToyJob(2, ["--steps", "12", "--hold", f"0:{hold}"], str(tmp_path), quiet=True)
+    with caplog.at_level(logging.WARNING, logger="resilient_comm.agent"):
+        job.start()
+        store = job.launcher.client()
+        path = job.launcher._agent().path
+        try:
+            store.wait([f"toy/held/0/{hold}"], datetime.timedelta(seconds=60))
+            assert oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
+            idle = _connect(path)  # never says anything: costs nothing
+            impostor = _connect(path)
+            impostor.sendall(b"hello 0 100 1000 5000 10 5\n")  # this test is not rank 0's process
+            garbage = _connect(path)
+            garbage.sendall(b"\x00\xffGET / HTTP/1.1\r\n\r\n")
+            flood = _connect(path)
+            flood.sendall(b"x" * 4096)
+            for s in (impostor, garbage, flood):
+                assert _closed_by_peer(s), "a bad connection was kept"
+        finally:
+            store.set(f"toy/go/{hold}", "1")
+        assert job.wait(60) == 0
+    idle.close()
+    assert "is not process 0 of this node" in caplog.text, caplog.text
+    assert "not a protocol line" in caplog.text and "a line longer than 1024 bytes" in caplog.text, caplog.text
+    m = Membership(store, job.launcher.namespace)
+    assert m.epoch() == 0 and all(g.kind == "exit" for g in m.gone([0, 1]).values()), "training was disturbed"
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+@pytest.mark.timeout(120)
+def test_workers_whose_agent_is_killed_fail_fast_with_a_recovery_error(tmp_path: Any) -> None:
+    log = tmp_path / "out.log"
+    cmd = [sys.executable, "-m", "resilient_comm.elastic", "--nproc-per-node", "2", "--rdzv-id", "lost",
+           "-m", "resilient_comm.elastic.toy", "--steps", "100000", "--step-ms", "5", "--mark", "0:3"]
+    with open(log, "wb") as out:
+        launcher = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while b"started 2 workers" not in log.read_bytes():
+            assert time.monotonic() < deadline and launcher.poll() is None, log.read_text()
+            time.sleep(0.05)  # polling a log file the launcher writes
+        workers = _children(launcher.pid)
+        assert len(workers) == 2, workers
+        host, port = "127.0.0.1", int(log.read_text().split("store 127.0.0.1:")[1].split(",")[0])
+        dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=60)).wait(["toy/at/0/3"])
+        launcher.kill()  # the agent (and, on one node, the store) with it
+        killed = time.monotonic()
+        launcher.wait()
+        left = set(workers)
+        while left:
+            left = {p for p in left if os.path.exists(f"/proc/{p}") and "zombie" not in _state(p)}
+            assert time.monotonic() - killed < 10, f"workers {left} still run 10 s after their agent died"
+            time.sleep(0.02)  # polling /proc for the orphans' exits
+        ended = time.monotonic() - killed
+    finally:
+        for p in _children(launcher.pid) if launcher.poll() is None else []:
+            os.kill(p, signal.SIGKILL)
+    text = log.read_text()
+    assert ended < 5.0, f"the workers took {ended:.1f} s to leave"
+    assert text.count("cannot recover: the node agent (resilient-run) is gone") == 2, text[-3000:]
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(line for line in f if line.startswith("State:")).lower()
+    except (OSError, StopIteration):
+        return "zombie"
