@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import heapq
 import json
 import multiprocessing as mp
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 KEY = "rc/bench"
@@ -84,7 +86,9 @@ def _driver(port: int, nodes: list[int], nnodes: int, per_node: int, conn: Any) 
     from resilient_comm.elastic.membership import Decision, Gone, JoinRecord, Membership
     from resilient_comm.elastic.policy import Mesh
 
-    cfg = DetectorConfig()
+    # The workers beat their agent at the node heartbeat (200 ms), not every 100 ms: the local
+    # hop never reaches the store, and on a real cluster each agent has its own node's CPUs.
+    cfg = DetectorConfig(heartbeat_s=0.2)
     world = nnodes * per_node
     counter = [0]
     received: list[tuple[int, str, int, float]] = []  # (node, kind, epoch, wall time)
@@ -96,9 +100,9 @@ def _driver(port: int, nodes: list[int], nnodes: int, per_node: int, conn: Any) 
         beats: list[float]
         events_m: Membership
 
-        def _node_beat(self) -> None:
+        def record(self) -> str:  # made once per node heartbeat
             self.beats.append(time.monotonic())
-            super()._node_beat()
+            return super().record()
 
         def broadcast(self, line: str) -> None:  # what the workers of this node would hear
             ev = json.loads(line.split(" ", 1)[1]) if line.startswith("ev ") else {}
@@ -126,28 +130,36 @@ def _driver(port: int, nodes: list[int], nnodes: int, per_node: int, conn: Any) 
                     threading.Thread(target=_decider, args=(epoch, applied), daemon=True).start()
 
     def _decider(epoch: int, applied: int) -> None:
-        m = Membership(cast(Any, CountingStore(dist.TCPStore("127.0.0.1", port, None, False), counter)), KEY, nnodes)
+        m = decider_m  # opened up front, as a controller's connection is
         base = m.decision(applied)
         assert base is not None
         while m.decision(epoch) is None:
-            gone = m.gone(base.members)
-            live = [r for r in base.members if r not in gone]
-            joined = m.joined(epoch, live)
-            if set(joined) == set(live):
-                d = m.decide(decide(epoch, base, joined, gone, {}, [], lambda n: None, live[0]))
+            with lock:
+                known = set(state["gone"])
+            live = [r for r in base.members if r not in known]
+            if m.all_joined(epoch, live):  # as the controller's decider does
+                joined = m.joined(epoch, live)
+                gone = m.gone([r for r in base.members if r not in live])
+                d = m.decide(decide(epoch, base, joined, gone, m.done(base.members), [], lambda n: None, live[0]))
                 m.post_event({"kind": "decided", "epoch": d.epoch, "joiners": d.joiners})
                 m.store.set(f"{KEY}/published/{epoch}", repr(time.time()))
                 return
             time.sleep(0.002)  # the controller's decider paces its polls the same way
 
+    def connect(_: object = None) -> Membership:
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=120))
+        return Membership(cast(Any, CountingStore(store, counter)), KEY, nnodes)
+
+    # Connections are opened in parallel: on a resolver that drops queries, one c10d
+    # connection in ~20 stalls 5 s in a reverse lookup of its peer (docs/elastic.md).
+    with ThreadPoolExecutor(64) as pool:
+        conns = list(pool.map(connect, range(2 * len(nodes) + 1)))
+    decider_m = conns.pop()
     agents: dict[int, BenchAgent] = {}
     for n in nodes:
-        store = CountingStore(dist.TCPStore("127.0.0.1", port, None, False,
-                                            timeout=datetime.timedelta(seconds=120)), counter)
-        a = BenchAgent(Membership(cast(Any, store), KEY, nnodes), n, nnodes, nproc=per_node, config=cfg,
-                       node_heartbeat=0.2)
+        a = BenchAgent(conns.pop(), n, nnodes, nproc=per_node, config=cfg, node_heartbeat=0.2)
         a.beats = []
-        a.events_m = Membership(cast(Any, store.clone()), KEY, nnodes)
+        a.events_m = conns.pop()
         for r in range(n * per_node, (n + 1) * per_node):
             a.add(r, 0)
             a.hello(r, cfg)
@@ -158,16 +170,21 @@ def _driver(port: int, nodes: list[int], nnodes: int, per_node: int, conn: Any) 
             Decision(0, list(range(world)), Mesh(dp=world).as_dict(), "init", 0))
     conn.send("ready")
     seq, measuring = 0, None
+    due = [(time.monotonic(), n) for n in agents]  # (next tick, node): a heap
+    heapq.heapify(due)
     while True:
         seq += 1
         now = time.monotonic()
-        for n, a in agents.items():
-            if n in silent or a.next_tick_in() > 0:
+        while due and due[0][0] <= now:
+            _, n = heapq.heappop(due)
+            if n in silent:
                 continue
+            a = agents[n]
             for p in a.procs.values():
                 if not p.done:
                     a.on_beat(p, f"{seq} 10 compute 5.0 10.0 0.100", now)
             a.tick()
+            heapq.heappush(due, (now + a.next_tick_in(), n))
         if conn.poll():
             cmd, arg = conn.recv()
             if cmd == "measure":
@@ -196,7 +213,7 @@ def _driver(port: int, nodes: list[int], nnodes: int, per_node: int, conn: Any) 
             conn.send({"ops": counter[0], "seconds": time.monotonic() - measuring[0], "gaps": gaps,
                        "rss_mb": _rss_mb()})
             measuring = None
-        wait = min([a.next_tick_in() for n, a in agents.items() if n not in silent] + [0.01])
+        wait = min(due[0][0] - time.monotonic() if due else 0.01, 0.01)
         if wait > 0:
             time.sleep(wait)  # pacing the emulated workers' beats
 
@@ -362,6 +379,29 @@ def plot(rows: list[dict[str, Any]], path: str) -> bool:
     return True
 
 
+_IN_NETNS = "RESILIENT_COMM_BENCH_NETNS"
+
+
+def _in_netns(argv: list[str]) -> int:
+    """Run this benchmark again inside a private network namespace (loopback only). Every c10d
+    connection formats its peer's address with a reverse lookup; where the resolver drops
+    queries (this VM: ~5%), each one stalls 5 s, in the store's server loop too, and thousands of
+    agent connections never finish connecting. In a namespace with no route to the
+    resolver the lookup fails at once."""
+    import subprocess
+    import sys
+
+    ns = f"rc-bench-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+        env = {**os.environ, _IN_NETNS: ns}
+        return subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "resilient_comm.bench.control_plane",
+                               *argv], env=env, check=False).returncode
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="resilient-comm bench control-plane", description=__doc__.splitlines()[0])
     p.add_argument("--ranks", default="64,256,1024,4096,16384", help="emulated ranks, comma-separated")
@@ -370,7 +410,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=5.0, help="steady-state window per point")
     p.add_argument("--baseline-max", type=int, default=1024, help="largest N of the per-rank heartbeat baseline")
     p.add_argument("--out", default=None, help="write JSON (and a PNG next to it) here")
+    p.add_argument("--netns", choices=("auto", "no"), default="auto",
+                   help="auto: as root, run in a private network namespace (see below); no: here")
     a = p.parse_args(argv)
+    if a.netns == "auto" and os.geteuid() == 0 and not os.environ.get(_IN_NETNS):
+        return _in_netns(argv or [])
     from resilient_comm.bench.common import machine
 
     ranks = [int(x) for x in a.ranks.split(",")]
@@ -378,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--ranks must be multiples of --per-node {a.per_node}, with at least 2 nodes")
     rows = []
     print(f"control plane: {ranks} emulated ranks, {a.per_node} per node, {a.procs} drivers, "
-          f"{a.seconds:g} s windows", flush=True)
+          f"{a.seconds:g} s windows" + (f", in network namespace {os.environ[_IN_NETNS]}" if os.environ.get(_IN_NETNS)
+                                       else ""), flush=True)
     for n in ranks:
         t0 = time.monotonic()
         rows.append(run_one(n, a.per_node, a.procs, a.seconds, a.baseline_max))

@@ -77,6 +77,19 @@ def node_heartbeat_s() -> float:
     return seconds
 
 
+def node_lease_s() -> float:
+    from resilient_comm.config import knobs
+
+    value = next(k for k in knobs() if k.name == "RESILIENT_COMM_NODE_LEASE_MS").value
+    try:
+        seconds = float(value) / 1e3
+    except ValueError:
+        raise ValueError(f"RESILIENT_COMM_NODE_LEASE_MS={value!r} is not a number") from None
+    if seconds < 2:
+        raise ValueError(f"RESILIENT_COMM_NODE_LEASE_MS must be at least 2000 (etcd's shortest lease), got {value!r}")
+    return seconds
+
+
 def parse_hello(fields: list[str]) -> tuple[int, DetectorConfig]:
     """``hello``'s fields (after the word) -> (rank, the worker's detection config)."""
     if len(fields) != 6:
@@ -159,13 +172,19 @@ class NodeAgent:
     def __init__(self, membership: Membership, node: int, nnodes: int, *, nproc: int,
                  config: DetectorConfig | None = None, node_heartbeat: float | None = None,
                  register: Callable[[Any, Callable[[], None]], object] | None = None,
-                 unregister: Callable[[Any], object] | None = None) -> None:
+                 unregister: Callable[[Any], object] | None = None, lease_s: float | None = None) -> None:
         """`register(fileobj, callback)` / `unregister(fileobj)` put the socket and its
         connections in the caller's event loop (the launcher's selector); without them the
         agent has no socket (the benchmark feeds beats by `on_beat`)."""
         self.m, self.node, self.nnodes, self.nproc = membership, node, nnodes, nproc
         self.cfg = config or DetectorConfig.from_env()
         self.node_hb = node_heartbeat or node_heartbeat_s()
+        # On etcd, node liveness is a lease (`_lease_loop`); on a TCPStore, a record rewritten
+        # by `tick` whose silence is judged.
+        self.lease_s = lease_s or node_lease_s() if membership.watches else 0.0
+        self.fenced: str | None = None
+        self._last_ok = time.monotonic()  # the last keepalive the store answered (its send time)
+        self._observers: list[PeerView] = []
         self.procs: dict[int, Proc] = {}
         self.gone_nodes: set[int] = set()  # lost, or finished (their agents said so)
         self._finished = False
@@ -181,6 +200,7 @@ class NodeAgent:
         self._next_event = 0
         self._stop = threading.Event()
         self._events_thread: threading.Thread | None = None
+        self._lease_thread: threading.Thread | None = None
         self._register, self._unregister = register, unregister
         self._dir: str | None = None
         self._listener: socket.socket | None = None
@@ -335,6 +355,12 @@ class NodeAgent:
             if p.view.seq >= 0 and p.view.changed_at < t:
                 p.view.unchanged_reads += 1
         observers = [p.view for p in procs if p.view.phase in WAITING]
+        with self._lock:
+            self._observers = observers
+        if self.lease_s and not self.fenced:
+            self._check_lease(t)
+        if self.fenced:
+            return  # cut off from the store: its view is stale and its reports could not land
         for p in procs:
             assert p.cfg is not None
             if p.view.phase == "done":
@@ -342,12 +368,12 @@ class NodeAgent:
             why = silence_why(p.view, t, p.cfg) or self._straggler(p.view, p.cfg, observers, t)
             if why:
                 self._suspect([p.rank], why, time.time() - (t - p.view.changed_at))
-        if t >= self._next_node_beat:
+        if t >= self._next_node_beat and not self.lease_s:
             self._next_node_beat = t + self.node_hb
             try:
                 if not self._finished:
-                    self._node_beat()
-                self._watch_successor(observers, t)
+                    self.m.node_beat(self.node, self.record())
+                self._watch_successor(self.m, observers, t)
                 if t >= self._next_missed_check:
                     self._next_missed_check = t + 1.0
                     if self.m.event(self._next_event) is not None:
@@ -360,14 +386,15 @@ class NodeAgent:
         return next((w for w in (straggler_why(view, o.step, o.phase, t, cfg) for o in observers if o is not view)
                      if w), None)
 
-    def _suspect(self, ranks: list[int], why: str, failed_at: float, node: int | None = None) -> None:
+    def _suspect(self, ranks: list[int], why: str, failed_at: float, node: int | None = None,
+                 m: Membership | None = None) -> None:
         with self._lock:
             for r in ranks:
                 if r in self.procs:
                     self.procs[r].done = True
         gones = [Gone(r, "suspect", why, failed_at, f"agent {self.node}") for r in ranks]
         try:
-            first = self.m.report_gone_many(gones, node=node)
+            first = (m or self.m).report_gone_many(gones, node=node)
         except dist.DistError as e:
             self._lost(e)
             return
@@ -384,9 +411,6 @@ class NodeAgent:
             procs = {p.rank: [p.beat if p.judged() else "", *_cfg_fields(p.cfg or self.cfg)]
                      for p in self.procs.values() if not p.done}
         return json.dumps({"seq": self._seq, "procs": procs}, separators=(",", ":"))
-
-    def _node_beat(self) -> None:
-        self.m.node_beat(self.node, self.record())
 
     def finish(self) -> None:
         """Every process of this node has ended: a last record says so, so that the node's
@@ -407,14 +431,21 @@ class NodeAgent:
                 return n
         return None
 
-    def _watch_successor(self, observers: list[PeerView], t: float) -> None:
+    def _watch_successor(self, m: Membership, observers: list[PeerView], t: float) -> None:
         succ = self.successor()
         if succ != self._watched:
             self._watched, self._succ_view, self._succ_procs, self._succ_ranks = succ, PeerView(), {}, []
         if succ is None:
             return
         view = self._succ_view
-        text = self.m.node_record(succ, present=view.seq >= 0)
+        text = m.node_record(succ, present=view.seq >= 0 and not self.lease_s)
+        if text is None and view.seq >= 0 and self.lease_s:
+            why = (f"node {succ}'s lease ({self.lease_s:g} s) expired: its agent stopped renewing it "
+                   "(the node is lost or cut off from the store)")
+            self._suspect(self._succ_ranks, why, time.time() - self.lease_s, node=succ, m=m)
+            with self._lock:
+                self.gone_nodes.add(succ)
+            return
         if text is not None:
             try:
                 rec = json.loads(text)
@@ -439,11 +470,12 @@ class NodeAgent:
                 return
         if view.seq < 0:
             return  # not started yet: a node that never starts is the launchers' business
-        bound = max(self.cfg.silence_floor_s, self.cfg.min_silent_reads * self.node_hb)
         silent = t - view.changed_at
-        if silent > bound and view.unchanged_reads >= self.cfg.min_silent_reads:
+        bound = max(self.cfg.silence_floor_s, self.cfg.min_silent_reads * self.node_hb)
+        if not self.lease_s and silent > bound and view.unchanged_reads >= self.cfg.min_silent_reads:
+            # (On etcd the lease's expiry is the evidence, above: a silent record alone is not.)
             why = f"node {succ} silent for {silent:.2f} s > bound {bound:.2f} s (its agent and record stopped)"
-            self._suspect(self._succ_ranks, why, time.time() - silent, node=succ)
+            self._suspect(self._succ_ranks, why, time.time() - silent, node=succ, m=m)
             with self._lock:
                 self.gone_nodes.add(succ)
             return
@@ -451,23 +483,29 @@ class NodeAgent:
             late = self._straggler(rp.view, rp.cfg, observers, t)
             if late:
                 del self._succ_procs[r]  # reported once
-                self._suspect([r], f"{late} (seen by node {self.node})", time.time() - (t - rp.view.changed_at))
+                self._suspect([r], f"{late} (seen by node {self.node})", time.time() - (t - rp.view.changed_at), m=m)
 
     # -- events ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the events thread (its own store connection)."""
+        """Start the events thread (its own store connection), and on etcd the lease thread."""
         self._events_thread = threading.Thread(target=self._events_loop, name="rc-agent-events", daemon=True)
         self._events_thread.start()
+        if self.lease_s:
+            self._lease_thread = threading.Thread(target=self._lease_loop, name="rc-agent-lease", daemon=True)
+            self._lease_thread.start()
 
     def stop(self) -> None:
         self._stop.set()
         if self._events_thread is not None and self._events_thread.is_alive():
-            try:
-                self.m.wake_node(self.node, "stop")
-            except dist.DistError:
-                pass  # the store is gone: the thread has ended
+            if not self.m.watches:
+                try:
+                    self.m.wake_node(self.node, "stop")
+                except dist.DistError:
+                    pass  # the store is gone: the thread has ended
             self._events_thread.join()
+        if self._lease_thread is not None and self._lease_thread.is_alive():
+            self._lease_thread.join()
         for c in list(self._conns):
             self._close(c)
         if self._listener is not None:
@@ -478,18 +516,69 @@ class NodeAgent:
             shutil.rmtree(self._dir, ignore_errors=True)
 
     def _lost(self, e: BaseException) -> None:
+        """The store failed a call. A TCPStore does not come back: the workers are told. On etcd
+        another endpoint may answer the next call; the lease decides (`_lease_loop`)."""
+        if self.lease_s:
+            log.warning("node %d: a store call failed (%s); the lease thread fences the node if it lasts", self.node, e)
+            return
         if self.store_lost is None and not self._stop.is_set():
             self.store_lost = f"node {self.node}'s agent lost the store: {e}"
             log.error("%s", self.store_lost)
             self.broadcast(f"lost {self.store_lost}")
 
+    def _fence(self, why: str) -> None:
+        if self.fenced is None:
+            self.fenced = why
+            log.error("node %d fenced: %s", self.node, why)
+            self.broadcast(f"fence {why}")
+
+    def _check_lease(self, t: float) -> None:
+        """Fencing (the loop's tick, never blocked by a store call): the lease expires on the
+        store at the earliest `lease_s` after the last keepalive it answered, so a node that
+        has had no answer for `lease_s` minus a margin stops its workers before the others can
+        see it gone and decide without them."""
+        silent = t - self._last_ok
+        if silent > self.lease_s - min(0.5, self.lease_s / 6):
+            self._fence(f"node {self.node}'s agent could not reach a store majority for {silent:.1f} s (its "
+                        f"lease is {self.lease_s:g} s): its workers stop so that the others can go on without them")
+
+    def _lease_loop(self) -> None:
+        """etcd: keep the node's lease alive, rewrite its record with it, watch the successor."""
+        m = self.m.clone(timeout=datetime.timedelta(seconds=self.lease_s))
+        store: Any = m.store
+        period = self.lease_s / 3
+        lease = None
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            try:
+                if lease is None:
+                    lease = store.grant(int(self.lease_s))
+                elif store.keepalive(lease) <= 0:
+                    self._fence(f"node {self.node}'s lease expired before the store heard from it again")
+                self._last_ok = t0
+                if self._finished:
+                    store.set(m.key("node", self.node), json.dumps({"seq": self._seq + 1, "procs": {}, "done": True}))
+                else:
+                    store.put_with_lease(m.key("node", self.node), self.record(), lease)
+                with self._lock:
+                    observers = list(self._observers)
+                self._watch_successor(m, observers, time.monotonic())
+            except dist.DistError as e:
+                log.warning("node %d: no store majority for %.1f s (%s)", self.node, time.monotonic() - self._last_ok, e)
+            self._stop.wait(max(0.0, period - (time.monotonic() - t0)))
+
     def _events_loop(self) -> None:
-        # Blocks on the node's queue (no timeout that would log every second); the loop's
-        # missed-event check and `stop` push to it.
+        # TCPStore: blocks on the node's queue (no timeout that would log every second); the
+        # loop's missed-event check and `stop` push to it. etcd: watches the next event's key.
         m = self.m.clone(timeout=datetime.timedelta(days=1))
+        store: Any = m.store
         while not self._stop.is_set():
             try:
-                m.wait_node_wake(self.node)
+                if m.watches:
+                    if not store.wait_for(m.key("events", self._next_event), 1.0, self._stop):
+                        continue
+                else:
+                    m.wait_node_wake(self.node)
                 if self._stop.is_set():
                     return
                 while (ev := m.event(self._next_event)) is not None:
@@ -497,7 +586,9 @@ class NodeAgent:
                     self._forward(m, ev)
             except dist.DistError as e:
                 self._lost(e)
-                return
+                if not m.watches:
+                    return
+                self._stop.wait(0.5)  # etcd: every endpoint failed this time; try again
 
     def _forward(self, m: Membership, ev: dict[str, Any]) -> None:
         try:

@@ -72,7 +72,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, NoReturn, Self
 
 import torch
 import torch.distributed as dist
@@ -84,14 +84,14 @@ from resilient_comm.api import _backend
 from resilient_comm.elastic.agent import ENV_AGENT
 from resilient_comm.elastic.decision import decide
 from resilient_comm.elastic.detector import Detector, DetectorConfig
-from resilient_comm.elastic.membership import Decision, Gone, JoinRecord, Membership, now
+from resilient_comm.elastic.membership import Decision, Gone, JoinRecord, Membership, connect, now
 from resilient_comm.elastic.policy import DIMS, Mesh
 from resilient_comm.elastic.state import Place, StateFactory, Stateful, TrainState
 from resilient_comm.elastic.statesync import recv_state, send_state
 from resilient_comm.elastic.timeline import Timeline
 from resilient_comm.groups import _adopt
 
-ENV_STORE = "RESILIENT_COMM_STORE"  # host:port of the launcher's store
+ENV_STORE = "RESILIENT_COMM_STORE"  # the job's store: host:port (the launcher's) or etcd://h1:p1,h2:p2
 ENV_NAMESPACE = "RESILIENT_COMM_NAMESPACE"  # this run's key prefix in it
 ENV_SPARE = "RESILIENT_COMM_SPARE"  # "1" in a hot spare (its RANK is a spare id >= WORLD_SIZE)
 log = logging.getLogger("resilient_comm.elastic")
@@ -204,8 +204,7 @@ class Controller:
         self._ckpt_every, self._ckpt_keep = checkpoint_every, checkpoint_keep
         self._ckpt: Any = None  # AsyncCheckpointer of this process's current rank
         self._ckpt_rank = -1
-        host, port = env[ENV_STORE].rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), None, False, timeout=self._timeout)
+        store = connect(env[ENV_STORE], self._timeout)
         self._m = Membership(store, env[ENV_NAMESPACE], int(env.get("GROUP_WORLD_SIZE", "1")))
         initial = Decision(0, list(range(world)), Mesh.for_world(world, tp, pp).as_dict(), "init", start_step)
         if self.is_spare:
@@ -236,10 +235,11 @@ class Controller:
         self._heard: dict[int, tuple[str, float]] = {}  # rank -> (source, arrival) of its first report
         self._detected_at: float | None = None
         self._fatal: str | None = None
+        self._fenced: str | None = None  # the node agent cut this node off (no store majority)
         self._finished = False
         self._idle = False  # a spare that was never placed: nothing to run
         self._detector = Detector(env[ENV_AGENT], self.rank, detector or DetectorConfig.from_env(), self._on_gone,
-                                  self._on_store_lost)
+                                  self._on_store_lost, self._on_fenced)
         atexit.register(self._detector.stop)  # also when the script never calls close()
         if self.is_spare:
             self._watching = set()
@@ -266,8 +266,7 @@ class Controller:
         seen = 0
         while True:
             news = self._detector.news()
-            if self._fatal:
-                raise RecoveryError(f"spare {self.rank}: {self._fatal}")
+            self._check_fatal()
             if self._m.finished():
                 self._idle = True
                 self._detector.stop()
@@ -439,6 +438,24 @@ class Controller:
             groups = list(self._registered)
         self._abort(groups, f"rank {g.rank} is gone ({g.kind}: {g.detail}, reported by {g.by})")
 
+    def _on_fenced(self, reason: str) -> None:
+        with self._lock:
+            self._fenced = reason
+            groups = list(self._registered)
+        self._abort(groups, f"fenced: {reason}")
+
+    def _check_fatal(self) -> None:
+        """Leave if the node was fenced (`Evicted`) or the store is gone (`RecoveryError`)."""
+        if self._fenced:
+            raise Evicted(f"rank {self.rank} was fenced: {self._fenced}")
+        if self._fatal:
+            raise RecoveryError(self._fatal)
+
+    def _store_failed(self, e: BaseException) -> NoReturn:
+        """A store call failed: fenced meanwhile (`Evicted`), or no membership (`RecoveryError`)."""
+        self._check_fatal()
+        raise RecoveryError(f"rank {self.rank}: the store failed: {e}") from e
+
     def _on_store_lost(self, reason: str) -> None:
         with self._lock:
             self._fatal = reason  # the agent is gone, or it lost the store
@@ -464,8 +481,10 @@ class Controller:
 
     def _recover(self, cause: BaseException, op_error: bool) -> None:
         """Recover from `cause`; `op_error`: it is a collective's own failure (evidence)."""
-        if self._fatal:
-            raise RecoveryError(self._fatal) from cause
+        try:
+            self._check_fatal()
+        except (Evicted, RecoveryError) as e:
+            raise e from cause
         tries = self._tries[self.next_step] = self._tries.get(self.next_step, 0) + 1
         if tries > self._max_per_step:
             raise RecoveryError(f"{tries - 1} recoveries at step {self.next_step} without progress") from cause
@@ -485,7 +504,10 @@ class Controller:
         deadline = time.monotonic() + self._timeout.total_seconds()
         while True:
             tl.attempts += 1
-            base, decision = self._agree(deadline)
+            try:
+                base, decision = self._agree(deadline)
+            except (dist.DistStoreError, dist.DistNetworkError) as e:
+                self._store_failed(e)
             tl.mark("agreed")
             tl.lost += decision.lost
             self._emit("recovery.agreed", epoch=decision.epoch, members=decision.members)
@@ -540,8 +562,7 @@ class Controller:
         pace = _Pacer()
         while True:
             news = self._detector.news()
-            if self._fatal:
-                raise RecoveryError(self._fatal)
+            self._check_fatal()
             d = self._m.decision(epoch)
             if d is not None:
                 return d
@@ -549,10 +570,11 @@ class Controller:
             if time.monotonic() > deadline:
                 raise RecoveryError(f"no decision for epoch {epoch} before the deadline (waiting on {live})")
             if live and live[0] == self.rank:
-                joined = self._m.joined(epoch, live)
-                if set(joined) == set(live):
-                    gone = self._m.gone(base.members)
-                    joined = {r: j for r, j in joined.items() if r not in gone}
+                # One check per poll for every live member's join, whatever their number; the
+                # records are read once they are all there (the lost ranks' evidence with them).
+                if self._m.all_joined(epoch, live):
+                    joined = self._m.joined(epoch, live)
+                    gone = self._m.gone([r for r in base.members if r not in live])
                     d = self._m.decide(self._decide(epoch, base, joined, gone))
                     self._m.post_event({"kind": "decided", "epoch": d.epoch, "joiners": d.joiners})
                     return d
@@ -712,8 +734,12 @@ class Controller:
         deadline = time.monotonic() + self._timeout.total_seconds()
         pace = _Pacer(cap_s=0.02)
         while True:
+            self._check_fatal()
             members = self._decision.members
-            done, gone = self._m.done(members), self._detector.gone()
+            try:
+                done, gone = self._m.done(members), self._detector.gone()
+            except (dist.DistStoreError, dist.DistNetworkError) as e:
+                self._store_failed(e)
             if all(r in done or r in gone for r in members):
                 with self._lock:
                     self._finished = True

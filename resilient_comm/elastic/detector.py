@@ -185,8 +185,8 @@ class Detector:
     """The detection threads of one worker: a heartbeat thread that beats to the node agent
     (`resilient_comm.elastic.agent`) and an events thread that reads what the agent forwards.
     Neither touches the store. Thread-safety: `set_members`, `progress`, `step_done`, `gone`
-    and `wait_news` may be called from any thread; `on_gone(evidence)` runs on the events
-    thread; `on_store_lost(reason)` on whichever thread learnt it first."""
+    and `wait_news` may be called from any thread; `on_gone(evidence)` and `on_fenced(reason)`
+    run on the events thread; `on_store_lost(reason)` on whichever thread learnt it first."""
 
     def __init__(
         self,
@@ -195,6 +195,7 @@ class Detector:
         config: DetectorConfig,
         on_gone: Callable[[Gone], None],
         on_store_lost: Callable[[str], None],
+        on_fenced: Callable[[str], None] | None = None,
     ) -> None:
         self.cfg = config
         self.rank = rank
@@ -203,6 +204,7 @@ class Detector:
         self._send_lock = threading.Lock()
         self._on_gone = on_gone
         self._on_store_lost = on_store_lost
+        self._on_fenced = on_fenced
         self._lock = threading.Condition()
         self._gone: dict[int, Gone] = {}
         self._news = 0  # events received (a decision, the end, a rank gone): spares and waiters block on it
@@ -317,6 +319,14 @@ class Detector:
         word, _, rest = line.partition(" ")
         if word == "lost":
             self._lost(rest)
+            return
+        if word == "fence":
+            log.error("rank %d: fenced by its node agent: %s", self.rank, rest)
+            with self._lock:
+                self._news += 1
+                self._lock.notify_all()
+            if self._on_fenced is not None:
+                self._on_fenced(rest)
             return
         ev = json.loads(rest)
         gones = [Gone(**g) for g in ev.get("gone", [])]

@@ -60,7 +60,7 @@ import torch.distributed as dist
 
 from resilient_comm.elastic.agent import ENV_AGENT, NodeAgent
 from resilient_comm.elastic.controller import ENV_NAMESPACE, ENV_SPARE, ENV_STORE, EXIT_EVICTED
-from resilient_comm.elastic.membership import Gone, Membership, now
+from resilient_comm.elastic.membership import Decision, Gone, Membership, connect, now
 
 log = logging.getLogger("resilient_comm.launcher")
 
@@ -105,6 +105,7 @@ class Launcher:
         store_timeout: datetime.timedelta = datetime.timedelta(minutes=30),
         spares: int = 0,
         max_spare_starts: int | None = None,
+        rdzv_backend: str = "c10d",
     ) -> None:
         if nproc < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
             raise ValueError(f"bad layout: nproc {nproc}, nnodes {nnodes}, node_rank {node_rank}")
@@ -116,12 +117,26 @@ class Launcher:
             raise ValueError("--max-restarts needs a single node (restarting several nodes is not supported)")
         self.cmd, self.nproc, self.nnodes, self.node_rank = cmd, nproc, nnodes, node_rank
         self.max_restarts, self.log_dir, self.extra_env = max_restarts, log_dir, dict(env or {})
+        if rdzv_backend not in ("c10d", "etcd"):
+            raise ValueError(f"--rdzv-backend {rdzv_backend!r}: c10d (node 0 hosts a TCPStore) or etcd")
         self.run_id = run_id or uuid.uuid4().hex[:8]
-        host, port = endpoint.rsplit(":", 1)
-        self.host = host
-        self.store = dist.TCPStore(host, int(port), None, node_rank == 0, timeout=store_timeout,
-                                   wait_for_workers=False)
-        self.port = self.store.port
+        self.backend = rdzv_backend
+        self.store: dist.Store
+        if rdzv_backend == "etcd":
+            from resilient_comm.elastic.etcd import EtcdStore
+
+            self.store = EtcdStore(endpoint, store_timeout)  # every node is a client: nobody hosts it
+            self.host, self.port = self.store.endpoints[0]
+            self.store_spec = f"etcd://{endpoint}"
+        else:
+            host, port = endpoint.rsplit(":", 1)
+            self.store = dist.TCPStore(host, int(port), None, node_rank == 0, timeout=store_timeout,
+                                       wait_for_workers=False)
+            self.host, self.port = host, self.store.port
+            self.store_spec = f"{self.host}:{self.port}"
+        # The address this node's workers publish for TCP connections: the one it reaches the
+        # store from (the host name's address can be another interface's, or loopback).
+        self.local_addr = _local_address(self.host) if nnodes > 1 else None
         self.generation = 0
         self.spares, self.max_spare_starts, self.spare_starts = spares, max_spare_starts, 0
         self._next_spare = 0
@@ -141,9 +156,9 @@ class Launcher:
     def world_size(self) -> int:
         return self.nproc * self.nnodes
 
-    def client(self) -> dist.TCPStore:
+    def client(self) -> dist.Store:
         """A new connection to the store (one per thread that uses it)."""
-        return dist.TCPStore(self.host, self.port, None, False, timeout=datetime.timedelta(seconds=60))
+        return connect(self.store_spec, datetime.timedelta(seconds=60))
 
     def membership(self) -> Membership:
         return Membership(self.store, self.namespace, self.nnodes)
@@ -154,11 +169,14 @@ class Launcher:
             "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(self.world_size),
             "LOCAL_WORLD_SIZE": str(self.nproc), "GROUP_RANK": str(self.node_rank),
             "GROUP_WORLD_SIZE": str(self.nnodes), "ROLE_NAME": "default", "ROLE_RANK": str(rank),
-            "ROLE_WORLD_SIZE": str(self.world_size), "MASTER_ADDR": self.host, "MASTER_PORT": str(self.port),
-            "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(self.generation),
+            "ROLE_WORLD_SIZE": str(self.world_size), "TORCHELASTIC_RESTART_COUNT": str(self.generation),
             "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts), "TORCHELASTIC_RUN_ID": self.run_id,
-            ENV_STORE: f"{self.host}:{self.port}", ENV_NAMESPACE: self.namespace, ENV_AGENT: self._agent().path,
+            ENV_STORE: self.store_spec, ENV_NAMESPACE: self.namespace, ENV_AGENT: self._agent().path,
         })
+        if self.backend == "c10d":  # torchrun's agent store (with etcd there is no TCPStore to point at)
+            env.update({"MASTER_ADDR": self.host, "MASTER_PORT": str(self.port), "TORCHELASTIC_USE_AGENT_STORE": "True"})
+        if self.local_addr and "RESILIENT_COMM_HOST" not in os.environ:
+            env["RESILIENT_COMM_HOST"] = self.local_addr
         if spare:
             env[ENV_SPARE] = "1"
         if "OMP_NUM_THREADS" not in os.environ and self.nproc > 1:
@@ -206,14 +224,22 @@ class Launcher:
 
     def _placed(self) -> set[int]:
         """Spares that the membership has given a place (they are members now)."""
+        d = self._last_decision()
+        return set(d.used_spares) if d is not None else set()
+
+    def _last_decision(self) -> Decision | None:
+        """The newest membership decision (None: none, or the store cannot be read)."""
         m = self.membership()
-        if not m.store.check([m.key("epoch")]):
-            return set()
-        for e in range(m.epoch(), -1, -1):
-            d = m.decision(e)
-            if d is not None:
-                return set(d.used_spares)
-        return set()
+        try:
+            if not m.store.check([m.key("epoch")]):
+                return None
+            for e in range(m.epoch(), -1, -1):
+                d = m.decision(e)
+                if d is not None:
+                    return d
+        except dist.DistError as e:
+            log.error("could not read the membership: the store failed (%s)", e)
+        return None
 
     def _waiting_spares(self) -> list[Worker]:
         placed = self._placed()
@@ -270,7 +296,11 @@ class Launcher:
         if self._ending and w.spare:
             log.info("spare %d (pid %d) ended: %s", w.rank, w.proc.pid, what)
             return
-        self.membership().report_gone(Gone(w.rank, "exit", what, t, "launcher"))
+        try:
+            self.membership().report_gone(Gone(w.rank, "exit", what, t, "launcher"))
+        except dist.DistError as e:
+            log.error("worker %d (pid %d): %s; could not report it: the store failed (%s)", w.rank, w.proc.pid, what, e)
+            return
         level = logging.INFO if returncode == 0 else logging.WARNING
         log.log(level, "%s %d (pid %d): %s; reported to the membership", "spare" if w.spare else "worker", w.rank,
                 w.proc.pid, what)
@@ -294,14 +324,8 @@ class Launcher:
 
     def _status(self) -> int:
         """The status of this node's workers that belong to the last membership decision."""
-        m = self.membership()
-        members = None
-        if m.store.check([m.key("epoch")]):
-            for e in range(m.epoch(), -1, -1):
-                d = m.decision(e)
-                if d is not None:
-                    members = None if d.mode == "fail" else set(d.members)
-                    break
+        d = self._last_decision()
+        members = None if d is None or d.mode == "fail" else set(d.members)
         judged = [w for w in self.workers if (members is None and not w.spare) or (members and w.rank in members)]
         return next((w.status for w in judged if w.status), 0) or 0
 
@@ -311,7 +335,13 @@ class Launcher:
         key = f"rc/{self.run_id}/node-done/"
         agent = self._agent()
         agent.finish()
-        self.store.set(key + str(self.node_rank), "1")
+        if self.backend != "c10d":
+            return  # nobody hosts an etcd cluster: no node waits for the others
+        try:
+            self.store.set(key + str(self.node_rank), "1")
+        except dist.DistError as e:
+            log.error("could not record this node's end: the store failed (%s)", e)
+            return
         if self.node_rank != 0:
             return
         pending = set(range(1, self.nnodes))
@@ -333,6 +363,15 @@ class Launcher:
                     pass  # ended meanwhile; the selector reports it
 
 
+def _local_address(host: str) -> str:
+    """The local address this host uses to reach `host` (no packet is sent)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(host), 9))
+        return str(s.getsockname()[0])
+
+
 def _parse_nnodes(text: str) -> int:
     lo, _, hi = text.partition(":")
     if hi and int(hi) != int(lo):
@@ -348,8 +387,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nnodes", type=_parse_nnodes, default=1, help="number of nodes: N or N:N")
     p.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's rank")
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="", help="host:port of the store (node 0 hosts it)")
-    p.add_argument("--rdzv-backend", "--rdzv_backend", default="c10d",
-                   help="accepted for torchrun compatibility; the store is always a c10d TCPStore")
+    p.add_argument("--rdzv-backend", "--rdzv_backend", default="c10d", choices=("c10d", "etcd", "static"),
+                   help="c10d (node 0 hosts a TCPStore; 'static' is the same) or etcd (the membership on an etcd "
+                        "cluster at --rdzv-endpoint h1:2379,h2:2379,...: no node's loss takes it down)")
     p.add_argument("--rdzv-id", "--rdzv_id", default=None, help="run id (default: random)")
     p.add_argument("--master-addr", "--master_addr", default=None, help="store host when no --rdzv-endpoint")
     p.add_argument("--master-port", "--master_port", type=int, default=None, help="store port when no --rdzv-endpoint")
@@ -381,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.nnodes > 1 and endpoint.endswith(":0"):
         print("resilient-run: --nnodes > 1 needs --rdzv-endpoint host:port", file=sys.stderr)
         return 2
+    if a.rdzv_backend == "etcd" and not a.rdzv_endpoint:
+        print("resilient-run: --rdzv-backend etcd needs --rdzv-endpoint host:port[,host:port...]", file=sys.stderr)
+        return 2
     if a.no_python:
         cmd = [a.script, *a.script_args]
     elif a.module:
@@ -389,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-u", a.script, *a.script_args]
     launcher = Launcher(cmd, a.nproc_per_node, nnodes=a.nnodes, node_rank=a.node_rank, endpoint=endpoint,
                         max_restarts=a.max_restarts, run_id=a.rdzv_id, log_dir=a.log_dir, spares=a.spares,
-                        max_spare_starts=a.max_spare_starts)
+                        max_spare_starts=a.max_spare_starts,
+                        rdzv_backend="etcd" if a.rdzv_backend == "etcd" else "c10d")
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, _f: launcher.forward(s))
     status = launcher.run()

@@ -1,7 +1,9 @@
 """Membership: epochs, join records, decisions and failure reports on a c10d Store.
 
-The store is the launcher's TCPStore (hosted by ``resilient-run``, never by a worker, so no
-worker's death takes it down). Every key lives under a namespace ``ns`` (one per run and
+The store is the launcher's TCPStore (hosted by node 0's ``resilient-run``, never by a
+worker, so no worker's death takes it down), or an etcd cluster (`etcd.EtcdStore`, for jobs
+that span nodes: no node's loss takes it down). `connect` opens either from the
+``RESILIENT_COMM_STORE`` a worker is given (``host:port`` or ``etcd://h1:p1,h2:p2``). Every key lives under a namespace ``ns`` (one per run and
 launcher generation)::
 
     {ns}/epoch                  the latest proposed epoch (a decimal int)
@@ -170,6 +172,10 @@ class Membership:
     def join(self, epoch: int, record: JoinRecord) -> None:
         self.store.set(self.key("e", epoch, "join", record.rank), record.to_json())
 
+    def all_joined(self, epoch: int, ranks: list[int]) -> bool:
+        """Whether every one of `ranks` joined `epoch` (one call, whatever their number)."""
+        return bool(self.store.check([self.key("e", epoch, "join", r) for r in ranks]))
+
     def joined(self, epoch: int, ranks: list[int]) -> dict[int, JoinRecord]:
         return {r: JoinRecord.from_json(v) for r, v in self._present([self.key("e", epoch, "join", r) for r in ranks],
                                                                      ranks).items()}
@@ -207,9 +213,15 @@ class Membership:
         i = 0
         while self.store.compare_set(self.key("events", i), "", text).decode() != text:
             i += 1
-        for n in range(self.nodes):
-            self.wake_node(n)
+        if not self.watches:
+            for n in range(self.nodes):
+                self.wake_node(n)
         return i
+
+    @property
+    def watches(self) -> bool:
+        """Whether waiters watch event keys (etcd) instead of blocking on wake queues."""
+        return bool(getattr(self.store, "watches_keys", False))
 
     def event(self, i: int) -> dict[str, Any] | None:
         k = self.key("events", i)
@@ -251,9 +263,15 @@ class Membership:
         return bool(self.store.check([self.key("finished")]))
 
     def set_done(self, rank: int, committed: int) -> None:
+        if not self.store.check([self.key("done", rank)]):
+            self.store.add(self.key("done", "n"), 1)
         self.store.set(self.key("done", rank), str(committed))
 
     def done(self, ranks: list[int]) -> dict[int, int]:
+        """The step each finished rank of `ranks` committed. A counter says when nobody has
+        finished (the common case, answered in one call whatever the number of ranks)."""
+        if not self.store.add(self.key("done", "n"), 0):
+            return {}
         return {r: int(v) for r, v in self._present([self.key("done", r) for r in ranks], ranks).items()}
 
     def _present(self, keys: list[str], ranks: list[int]) -> dict[int, bytes]:
@@ -268,10 +286,23 @@ class Membership:
         return dict(zip([r for r, _ in have], self.store.multi_get([k for _, k in have])))
 
 
+def connect(spec: str, timeout: datetime.timedelta) -> dist.Store:
+    """A client of the job's store: ``host:port`` (the launcher's TCPStore) or
+    ``etcd://h1:p1,h2:p2`` (an etcd cluster)."""
+    if spec.startswith("etcd://"):
+        from resilient_comm.elastic.etcd import EtcdStore
+
+        return EtcdStore(spec.removeprefix("etcd://"), timeout)
+    host, sep, port = spec.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"bad store address {spec!r} (host:port or etcd://host:port[,host:port...])")
+    return dist.TCPStore(host, int(port), None, False, timeout=timeout)
+
+
 def now() -> float:
     """Wall-clock time, the one clock every process of the job shares (one host; across hosts
     it is as good as their clock sync)."""
     return time.time()
 
 
-__all__ = ["Decision", "Gone", "JoinRecord", "Membership", "now"]
+__all__ = ["Decision", "Gone", "JoinRecord", "Membership", "connect", "now"]

@@ -200,8 +200,9 @@ def run_elastic(a: argparse.Namespace) -> int:
     trace: dict[int, Any] = {}
     store = None
     if marks or holds:
-        host, port = os.environ["RESILIENT_COMM_STORE"].rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=60))
+        from resilient_comm.elastic.membership import connect
+
+        store = connect(os.environ["RESILIENT_COMM_STORE"], datetime.timedelta(seconds=60))
 
     def hook(event: str, info: dict[str, Any]) -> None:
         phase = event.split(".")[1]

@@ -1,0 +1,270 @@
+"""A c10d Store on etcd, for jobs that span nodes: the membership with no single point of failure.
+
+    resilient-run --rdzv-backend etcd --rdzv-endpoint h1:2379,h2:2379,h3:2379 ...
+
+etcd (Raft-replicated; leases, watches, transactions) goes on while a majority of its
+members is up, so losing any one node -- node 0 included -- does not take the membership
+down, as it would with the TCPStore that node 0's ``resilient-run`` hosts. `EtcdStore` speaks
+etcd's v3 JSON gateway through the maintained `etcd3gw` client and gives the c10d `Store`
+semantics the membership and the transports' bootstrap rely on:
+
+- ``set``/``get``/``check``/``multi_get``/``delete_key``/``num_keys``: puts and linearizable
+  ranges (a member cut off from the majority cannot answer: the client tries the next
+  endpoint). ``get`` of a missing key waits for it, as c10d's does.
+- ``compare_set`` and ``add``: transactions (compare on the value or on the revision), with
+  c10d's results (``compare_set`` of a missing key with a non-empty expected value returns the
+  expected value and sets nothing).
+- ``wait``: a watch from the revision of the range that found the key missing, so a put in
+  between is never lost. Every wait is bounded by the store's timeout
+  (``DistStoreError``); an unreachable cluster is a ``DistNetworkError`` once every endpoint
+  failed. No call waits forever.
+- Leases for node liveness (`Lease`): a key put with a lease disappears when its holder stops
+  refreshing it; that deletion, seen by a watch, is the evidence of a lost node.
+
+`EtcdStore` is a Python subclass of ``torch.distributed.Store``, so it can back a
+``PrefixStore`` given to ``init_process_group`` (the C++ transports call it back). Start a
+local single-member etcd for trying things (Debian/Ubuntu: ``apt install etcd-server``)::
+
+    etcd --data-dir /tmp/etcd --listen-client-urls http://127.0.0.1:2379 \\
+         --advertise-client-urls http://127.0.0.1:2379
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import functools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+T = TypeVar("T")
+REQUEST_TIMEOUT_S = 1.0  # one HTTP request to one endpoint; then the next endpoint is tried
+
+
+def _b64(data: str | bytes) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def _bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def parse_endpoints(text: str) -> list[tuple[str, int]]:
+    """'h1:2379,h2:2379' (a scheme is accepted and ignored) -> [(host, port), ...]."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().removeprefix("http://")
+        host, sep, port = part.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"bad etcd endpoint {part!r} in {text!r} (expected host:port[,host:port...])")
+        out.append((host, int(port)))
+    if not out:
+        raise ValueError("no etcd endpoint given")
+    return out
+
+
+class EtcdStore(dist.Store):
+    """c10d Store semantics on an etcd cluster. One instance per thread that uses it (as a
+    c10d client); `clone()` makes another on the same endpoints."""
+
+    watches_keys = True  # Membership: events are waited for by key, not through wake queues
+
+    def __init__(self, endpoints: str | list[tuple[str, int]],
+                 timeout: datetime.timedelta = datetime.timedelta(seconds=300)) -> None:
+        super().__init__()
+        import etcd3gw
+
+        self.endpoints = parse_endpoints(endpoints) if isinstance(endpoints, str) else list(endpoints)
+        self._clients = [etcd3gw.client(host=h, port=p, timeout=REQUEST_TIMEOUT_S, api_path="/v3/")
+                         for h, p in self.endpoints]
+        self._current = 0
+        self._timeout = timeout
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def clone(self) -> EtcdStore:
+        return EtcdStore(self.endpoints, self._timeout)
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._timeout = timeout
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return self._timeout
+
+    def _call(self, what: str, fn: Callable[[Any], T]) -> T:
+        """fn(client) on the current endpoint, moving on to the next one on a connection
+        failure; a DistNetworkError once every endpoint failed."""
+        from etcd3gw import exceptions
+
+        errors = []
+        for i in range(len(self._clients)):
+            k = (self._current + i) % len(self._clients)
+            try:
+                out = fn(self._clients[k])
+            except (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError,
+                    exceptions.InternalServerError) as e:
+                errors.append(f"{self.endpoints[k][0]}:{self.endpoints[k][1]}: {type(e).__name__}")
+                continue
+            self._current = k
+            return out
+        raise dist.DistNetworkError(f"etcd unreachable for {what}: {'; '.join(errors)}")
+
+    def _post(self, path: str, payload: dict[str, Any], what: str) -> dict[str, Any]:
+        return self._call(what, lambda c: c.post(c.get_url(path), json=payload))
+
+    def _range(self, key: str, prefix: bool = False, count_only: bool = False) -> dict[str, Any]:
+        payload: dict[str, Any] = {"key": _b64(key)}
+        if prefix:
+            payload["range_end"] = _b64(_prefix_end(key))
+        if count_only:
+            payload["count_only"] = True
+        return self._post("/kv/range", payload, f"get {key!r}")
+
+    def _txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]], failure: list[dict[str, Any]],
+             what: str) -> dict[str, Any]:
+        return self._post("/kv/txn", {"compare": compare, "success": success, "failure": failure}, what)
+
+    # -- c10d Store -----------------------------------------------------------------------
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._put(key, _bytes(value))
+
+    def _put(self, key: str, value: bytes, lease: int | None = None) -> None:
+        payload: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease is not None:
+            payload["lease"] = str(lease)
+        self._post("/kv/put", payload, f"set {key!r}")
+
+    def value(self, key: str) -> tuple[bytes | None, int]:
+        """(the key's value or None, the store revision of the read)."""
+        r = self._range(key)
+        kvs = r.get("kvs") or []
+        return (_unb64(kvs[0].get("value", "")) if kvs else None), int(r["header"]["revision"])
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        value, _ = self.value(key)
+        if value is None:
+            raise dist.DistStoreError(f"etcd key {key!r} was deleted while being read")
+        return value
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self.value(k)[0] is not None for k in keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        for k, v in zip(keys, values):
+            self.set(k, v)
+
+    def delete_key(self, key: str) -> bool:
+        r = self._post("/kv/deleterange", {"key": _b64(key)}, f"delete {key!r}")
+        return int(r.get("deleted", 0)) > 0
+
+    def num_keys(self) -> int:
+        return int(self._post("/kv/range", {"key": _b64("\0"), "range_end": _b64("\0"), "count_only": True},
+                              "count keys").get("count", 0))
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        exp, want = _bytes(expected), _bytes(desired)
+        k = _b64(key)
+        if not exp:
+            compare = [{"key": k, "result": "EQUAL", "target": "CREATE", "create_revision": "0"}]
+        else:
+            compare = [{"key": k, "result": "EQUAL", "target": "VALUE", "value": _b64(exp)}]
+        r = self._txn(compare, [{"request_put": {"key": k, "value": _b64(want)}}], [{"request_range": {"key": k}}],
+                      f"compare_set {key!r}")
+        if r.get("succeeded"):
+            return want
+        kvs = (r.get("responses") or [{}])[0].get("response_range", {}).get("kvs") or []
+        if not kvs:
+            return exp  # missing key, non-empty expected value: c10d's TCPStore answers the same
+        return _unb64(kvs[0].get("value", ""))
+
+    def add(self, key: str, amount: int) -> int:
+        k = _b64(key)
+        while True:
+            r = self._range(key)
+            kvs = r.get("kvs") or []
+            if kvs:
+                current, rev = int(_unb64(kvs[0].get("value", "")) or b"0"), kvs[0]["mod_revision"]
+                compare = [{"key": k, "result": "EQUAL", "target": "MOD", "mod_revision": rev}]
+            else:
+                current = 0
+                compare = [{"key": k, "result": "EQUAL", "target": "CREATE", "create_revision": "0"}]
+            new = current + amount
+            r = self._txn(compare, [{"request_put": {"key": k, "value": _b64(str(new))}}], [], f"add {key!r}")
+            if r.get("succeeded"):
+                return new
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        limit = (timeout or self._timeout).total_seconds()
+        deadline = time.monotonic() + limit
+        for key in keys:
+            if not self.wait_for(key, max(0.0, deadline - time.monotonic())):
+                raise dist.DistStoreError(f"etcd: timed out after {limit:g} s waiting for key {key!r}")
+
+    def wait_for(self, key: str, timeout_s: float, stop: threading.Event | None = None) -> bool:
+        """Block until `key` exists (True) or `timeout_s` passes (False), by a watch from the
+        revision that found it missing; `stop` ends the wait early (False)."""
+        from etcd3gw import exceptions
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value, rev = self.value(key)
+            if value is not None:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0 or (stop is not None and stop.is_set()):
+                return False
+            slice_s = min(left, 1.0)  # re-check the stop flag (and the endpoint) every second
+            try:
+                self._call(f"watch {key!r}", functools.partial(_watch_once, key=key, timeout=slice_s, rev=rev + 1))
+            except exceptions.WatchTimedOut:
+                pass
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        raise NotImplementedError("EtcdStore has no queues: the membership waits for event keys by watch")
+
+    # -- leases ---------------------------------------------------------------------------
+
+    def grant(self, ttl_s: int) -> int:
+        """A new lease of `ttl_s` seconds; returns its id."""
+        return int(self._post("/lease/grant", {"TTL": str(ttl_s), "ID": "0"}, "grant a lease")["ID"])
+
+    def keepalive(self, lease: int) -> int:
+        """Refresh `lease`; returns the TTL it has again (0: it had expired)."""
+        r = self._post("/lease/keepalive", {"ID": str(lease)}, "keep a lease alive")
+        return int(r.get("result", r).get("TTL", 0))
+
+    def revoke(self, lease: int) -> None:
+        self._post("/kv/lease/revoke", {"ID": str(lease)}, "revoke a lease")
+
+    def put_with_lease(self, key: str, value: str | bytes, lease: int) -> None:
+        self._put(key, _bytes(value), lease)
+
+
+def _watch_once(client: Any, key: str, timeout: float, rev: int) -> Any:
+    return client.watch_once(key, timeout=timeout, start_revision=rev)
+
+
+def _prefix_end(prefix: str) -> bytes:
+    b = bytearray(prefix.encode())
+    for i in range(len(b) - 1, -1, -1):
+        if b[i] < 0xFF:
+            b[i] += 1
+            return bytes(b[: i + 1])
+    return b"\0"
+
+
+__all__ = ["EtcdStore", "parse_endpoints"]

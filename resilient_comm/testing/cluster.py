@@ -1,0 +1,184 @@
+"""Nodes on one machine: network namespaces on a bridge, with an etcd cluster among them.
+
+    with NetnsCluster(nodes=4, etcd_on=[0, 1, 2], workdir=tmp) as c:
+        launcher = c.run(1, [sys.executable, "-m", "resilient_comm.elastic", ...])
+        c.partition(1)        # its link goes down: nothing exits, no socket errors, silence
+        c.kill_etcd(2)        # one etcd member lost
+
+Node i is namespace ``rc<tag>n<i>`` with address ``10.<net>.<tag>.<i+1>/24`` on its ``eth0``, a
+veth pair whose other end is on bridge ``rcb<tag>`` (address ``.254``, so the caller in the root
+namespace reaches every node). A node's processes are started with ``ip netns exec``. A
+namespace has no route to the machine's resolver, so the reverse lookups c10d makes for every
+connection fail at once instead of waiting on a resolver that drops queries. Needs root (or
+CAP_NET_ADMIN) and, for etcd, Debian's ``etcd-server`` package; `available()` says why not.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import signal
+import subprocess
+import time
+from typing import IO, Any, Self
+
+NET = 77  # 10.77.<tag>.0/24
+_made = 0  # clusters made by this process (each gets its own tag)
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def available() -> str | None:
+    """None if namespaces and etcd can be used here, else why not."""
+    if shutil.which("ip") is None:
+        return "no 'ip' command (iproute2)"
+    if shutil.which("etcd") is None:
+        return "no etcd binary (Debian: apt install etcd-server)"
+    probe = f"rcprobe{os.getpid() % 100000}"
+    try:
+        _ip("netns", "add", probe)
+    except (subprocess.CalledProcessError, OSError) as e:
+        return f"cannot create network namespaces here ({getattr(e, 'stderr', '') or e})".strip()
+    subprocess.run(["ip", "netns", "del", probe], check=False)
+    return None
+
+
+class NetnsCluster:
+    def __init__(self, nodes: int, etcd_on: list[int], workdir: str, tag: int | None = None) -> None:
+        self.nodes, self.etcd_on, self.workdir = nodes, list(etcd_on), workdir
+        global _made
+        _made += 1
+        self.tag = tag if tag is not None else (os.getpid() * 7 + _made) % 250 + 1
+        self.bridge = f"rcb{self.tag}"
+        self.etcd: dict[int, subprocess.Popen] = {}
+        self._logs: list[IO[bytes]] = []
+        self._made: list[str] = []
+
+    def ns(self, i: int) -> str:
+        return f"rc{self.tag}n{i}"
+
+    def addr(self, i: int) -> str:
+        return f"10.{NET}.{self.tag}.{i + 1}"
+
+    def veth(self, i: int) -> str:
+        return f"rcv{self.tag}h{i}"
+
+    def endpoints(self, first: int | None = None) -> str:
+        """The etcd client endpoints, node `first`'s own member first (what a node lists)."""
+        order = sorted(self.etcd_on, key=lambda i: (i != first, i))
+        return ",".join(f"{self.addr(i)}:2379" for i in order)
+
+    # -- set-up and tear-down -------------------------------------------------------------
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self, etcd_timeout_s: float = 60.0) -> None:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        self._made.append("bridge")
+        _ip("addr", "add", f"10.{NET}.{self.tag}.254/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        for i in range(self.nodes):
+            _ip("netns", "add", self.ns(i))
+            self._made.append(self.ns(i))
+            _ip("link", "add", self.veth(i), "type", "veth", "peer", "name", "eth0", "netns", self.ns(i))
+            _ip("link", "set", self.veth(i), "master", self.bridge, "up")
+            _ip("-n", self.ns(i), "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
+            _ip("-n", self.ns(i), "link", "set", "eth0", "up")
+            _ip("-n", self.ns(i), "link", "set", "lo", "up")
+        cluster = ",".join(f"e{i}=http://{self.addr(i)}:2380" for i in self.etcd_on)
+        for i in self.etcd_on:
+            log = open(os.path.join(self.workdir, f"etcd{i}.log"), "wb")  # noqa: SIM115
+            self._logs.append(log)
+            a = self.addr(i)
+            self.etcd[i] = self.run(i, [
+                "etcd", "--name", f"e{i}", "--data-dir", os.path.join(self.workdir, f"etcd{i}"),
+                "--listen-client-urls", f"http://{a}:2379", "--advertise-client-urls", f"http://{a}:2379",
+                "--listen-peer-urls", f"http://{a}:2380", "--initial-advertise-peer-urls", f"http://{a}:2380",
+                "--initial-cluster", cluster, "--initial-cluster-token", f"rc{self.tag}",
+                "--initial-cluster-state", "new", "--heartbeat-interval", "100", "--election-timeout", "1000",
+            ], stdout=log, stderr=subprocess.STDOUT)
+        self.wait_etcd(etcd_timeout_s)
+
+    def wait_etcd(self, timeout_s: float) -> None:
+        """Until the cluster answers a write (a quorum formed)."""
+        from resilient_comm.elastic.etcd import EtcdStore
+
+        store = EtcdStore(self.endpoints(), datetime.timedelta(seconds=timeout_s))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                store.set("rc/probe", "1")
+                return
+            except Exception as e:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the etcd cluster did not form within {timeout_s:g} s: {e}") from e
+                time.sleep(0.2)  # polling a cluster that is starting
+
+    def close(self) -> None:
+        for p in self.etcd.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for f in self._logs:
+            f.close()
+        for name in reversed(self._made):
+            if name == "bridge":
+                subprocess.run(["ip", "link", "del", self.bridge], check=False, capture_output=True)
+            else:
+                i = int(name.rsplit("n", 1)[1])
+                subprocess.run(["ip", "link", "del", self.veth(i)], check=False, capture_output=True)
+                for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True,
+                                          check=False).stdout.split():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
+        self._made.clear()
+
+    # -- processes and faults -------------------------------------------------------------
+
+    def run(self, i: int, cmd: list[str], **popen: Any) -> subprocess.Popen:
+        """Start `cmd` on node i (in its namespace)."""
+        return subprocess.Popen(["ip", "netns", "exec", self.ns(i), *cmd], **popen)
+
+    def pids(self, i: int) -> list[int]:
+        """Every process of node i."""
+        out = subprocess.run(["ip", "netns", "pids", self.ns(i)], capture_output=True, text=True, check=False)
+        return [int(p) for p in out.stdout.split()]
+
+    def kill_node(self, i: int, keep_etcd: bool = True) -> None:
+        """SIGKILL every process of node i at once (its etcd member too unless `keep_etcd`)."""
+        spare = {self.etcd[i].pid} if keep_etcd and i in self.etcd else set()
+        for pid in self.pids(i):
+            if pid not in spare:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def kill_etcd(self, i: int) -> None:
+        self.etcd[i].kill()
+        self.etcd[i].wait()
+
+    def partition(self, i: int) -> None:
+        """Cut node i off: its link goes down; packets are dropped, nothing is refused."""
+        _ip("link", "set", self.veth(i), "down")
+
+    def heal(self, i: int) -> None:
+        _ip("link", "set", self.veth(i), "up")
+
+
+__all__ = ["NetnsCluster", "available"]

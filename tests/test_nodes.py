@@ -1,0 +1,200 @@
+"""Nodes on one machine (network namespaces on a bridge, `testing.cluster`), the membership on a
+three-member etcd cluster among them, one resilient-run per node: a whole node SIGKILLed, a
+node partitioned, an etcd member lost, node 0's agent lost. Each time the job finishes with the
+right survivors, bit-identical replicas and no hang; the partitioned node is fenced within its
+lease + 1 s. Skipped, with the reason, where namespaces or etcd are not available."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from resilient_comm.elastic import EXIT_EVICTED, Decision, Membership
+from resilient_comm.elastic.etcd import EtcdStore
+from resilient_comm.elastic.toy import read_events
+from resilient_comm.testing.cluster import NetnsCluster, available
+
+WHY = available()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"multi-node tests need namespaces and etcd: {WHY}")
+NODES, PER_NODE, STEPS, HOLD = 4, 2, 24, 8
+WORLD = NODES * PER_NODE
+LEASE_S = 3.0  # RESILIENT_COMM_NODE_LEASE_MS's default
+
+
+class Job:
+    """The toy on NODES nodes of PER_NODE workers, rank 0 held at step HOLD."""
+
+    def __init__(self, c: NetnsCluster, tmp: str) -> None:
+        self.c, self.tmp = c, tmp
+        self.events, self.dump = os.path.join(tmp, "events"), os.path.join(tmp, "dump")
+        self.launchers: dict[int, subprocess.Popen] = {}
+        self.logs: dict[int, Any] = {}
+        for i in range(NODES):
+            self.logs[i] = open(os.path.join(tmp, f"node{i}.log"), "wb")  # noqa: SIM115
+            self.launchers[i] = c.run(i, [
+                sys.executable, "-m", "resilient_comm.elastic", "--nnodes", str(NODES), "--node-rank", str(i),
+                "--nproc-per-node", str(PER_NODE), "--rdzv-backend", "etcd", "--rdzv-endpoint", c.endpoints(i),
+                "--rdzv-id", "job", "-m", "resilient_comm.elastic.toy", "--events", self.events, "--steps",
+                str(STEPS), "--dump", self.dump, "--hold", f"0:{HOLD}"], stdout=self.logs[i], stderr=subprocess.STDOUT)
+        self.store = EtcdStore(c.endpoints(), datetime.timedelta(seconds=120))
+        self.m = Membership(self.store, "rc/job/g0", NODES)
+
+    def held(self, timeout_s: float = 150) -> None:
+        """Until rank 0 holds at step HOLD (every node's launcher still running)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.store.wait_for(f"toy/held/0/{HOLD}", 1.0):
+            ended = {i: p.returncode for i, p in self.launchers.items() if p.poll() is not None}
+            assert not ended, f"launchers ended before the hold: {ended}: {self.log(min(ended))[-3000:]}"
+            assert time.monotonic() < deadline, "rank 0 never reached the held step"
+
+    def go(self) -> None:
+        self.store.set(f"toy/go/{HOLD}", "1")
+
+    def wait(self, nodes: list[int], timeout_s: float = 150) -> dict[int, int]:
+        deadline = time.monotonic() + timeout_s
+        out = {}
+        for i in nodes:
+            try:
+                out[i] = self.launchers[i].wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"node {i}'s launcher did not finish: {self.log(i)[-3000:]}") from None
+        return out
+
+    def log(self, i: int) -> str:
+        self.logs[i].flush()
+        with open(os.path.join(self.tmp, f"node{i}.log")) as f:
+            return f.read()
+
+    def decisions(self) -> list[Decision]:
+        out = []
+        for e in range(self.m.epoch() + 1):
+            d = self.m.decision(e)
+            assert d is not None
+            out.append(d)
+        return out
+
+    def finals(self, ranks: list[int]) -> dict[int, dict[str, Any]]:
+        return {r: torch.load(os.path.join(self.dump, f"final-{r}.pt"), weights_only=False) for r in ranks}
+
+    def close(self) -> None:
+        for p in self.launchers.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in self.logs.values():
+            f.close()
+
+
+@pytest.fixture
+def job(tmp_path: Any) -> Any:
+    with NetnsCluster(NODES, [0, 1, 2], str(tmp_path)) as c:
+        j = Job(c, str(tmp_path))
+        try:
+            yield j
+        finally:
+            j.close()
+
+
+def _a_follower(c: NetnsCluster, prefer: int) -> int:
+    """An etcd member that is not the leader (`prefer` if it is one)."""
+    import etcd3gw
+
+    status = {i: etcd3gw.client(host=c.addr(i), port=2379, api_path="/v3/").status() for i in c.etcd_on}
+    followers = [i for i, s in status.items() if s["leader"] != s["header"]["member_id"]]
+    return prefer if prefer in followers else followers[0]
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+def check_survivors(job: Job, survivors: list[int]) -> dict[int, dict[str, Any]]:
+    finals = job.finals(survivors)
+    for r in survivors:
+        assert finals[r]["members"] == survivors and finals[r]["committed"] == STEPS - 1, (r, finals[r]["members"])
+        assert same(finals[r]["state"], finals[survivors[0]]["state"]), f"replica {r} differs from {survivors[0]}"
+    commits: dict[int, list[int]] = {}
+    for e in read_events(job.events):
+        if e["event"] == "commit":
+            commits.setdefault(e["rank"], []).append(e["step"])
+    for r in survivors:
+        assert commits[r] == list(range(STEPS)), f"rank {r} committed {commits[r]}"
+    return finals
+
+
+@pytest.mark.timeout(300)
+def test_a_whole_node_sigkill_is_seen_through_its_lease_and_the_job_goes_on(job: Job) -> None:
+    job.held()
+    job.c.kill_node(3)  # node 3: no etcd member; its agent and workers together
+    killed = time.time()
+    job.go()
+    status = job.wait([0, 1, 2])
+    assert status == {0: 0, 1: 0, 2: 0}, {i: job.log(i)[-2000:] for i in status}
+    ds = job.decisions()
+    assert [d.members for d in ds] == [list(range(WORLD)), list(range(6))] and ds[1].lost == [6, 7], ds
+    gone = job.m.gone([6, 7])
+    assert all(g.kind == "suspect" and g.by == "agent 2" and "lease" in g.detail for g in gone.values()), gone
+    assert LEASE_S - 1.2 < ds[1].t - killed < LEASE_S + 3.0, f"decided {ds[1].t - killed:.2f} s after the kill"
+    check_survivors(job, list(range(6)))
+
+
+@pytest.mark.timeout(300)
+def test_a_partitioned_node_is_fenced_within_its_lease_and_the_majority_goes_on(job: Job) -> None:
+    job.held()
+    job.c.partition(1)  # node 1 runs ranks 2, 3 and etcd member e1: both cut off
+    cut = time.time()
+    job.go()
+    status = job.wait([0, 1, 2, 3])
+    assert status[1] == EXIT_EVICTED and all(status[i] == 0 for i in (0, 2, 3)), (status, job.log(1)[-3000:])
+    evicted = [e for e in read_events(job.events) if e["event"] == "evicted"]
+    assert sorted(e["rank"] for e in evicted) == [2, 3] and all("fenced" in e["why"] for e in evicted), evicted
+    fenced_after = max(e["t"] for e in evicted) - cut
+    assert fenced_after < LEASE_S + 1.0, f"node 1 fenced {fenced_after:.2f} s after the partition"
+    ds = job.decisions()
+    assert ds[-1].members == [0, 1, 4, 5, 6, 7] and sorted(ds[1].lost) == [2, 3], ds
+    assert ds[1].t - cut > fenced_after - 0.5, "the majority decided before the partitioned node was fenced"
+    check_survivors(job, [0, 1, 4, 5, 6, 7])
+    minority = [e["step"] for e in read_events(job.events) if e["event"] == "commit" and e["rank"] in (2, 3)]
+    assert max(minority) < ds[1].resume_step, "the partitioned node committed a step the majority did not"
+
+
+@pytest.mark.timeout(300)
+def test_losing_one_etcd_member_changes_nothing(job: Job) -> None:
+    job.held()
+    victim = _a_follower(job.c, prefer=2)  # node 2's own member, first in its list: its clients move on
+    job.c.kill_etcd(victim)
+    job.go()
+    status = job.wait(list(range(NODES)))
+    assert status == {i: 0 for i in range(NODES)}, {i: job.log(i)[-2000:] for i in status}
+    assert job.m.epoch() == 0, job.decisions()
+    check_survivors(job, list(range(WORLD)))
+
+
+@pytest.mark.timeout(300)
+def test_losing_node_zeros_agent_takes_its_workers_out_and_the_rest_goes_on(job: Job) -> None:
+    job.held()
+    job.launchers[0].kill()  # node 0's resilient-run only: its workers lose their agent
+    lost = time.time()
+    job.go()
+    status = job.wait([1, 2, 3])
+    assert status == {1: 0, 2: 0, 3: 0}, {i: job.log(i)[-2000:] for i in status}
+    ds = job.decisions()
+    assert ds[-1].members == list(range(2, WORLD)) and sorted(ds[1].lost) == [0, 1], ds
+    gone = job.m.gone([0, 1])
+    assert all(g.by == "agent 3" and "lease" in g.detail for g in gone.values()), gone
+    assert ds[1].t - lost < LEASE_S + 3.0, f"decided {ds[1].t - lost:.2f} s after node 0's agent died"
+    check_survivors(job, list(range(2, WORLD)))
+    assert job.log(0).count("cannot recover: the node agent (resilient-run) is gone") == PER_NODE, job.log(0)[-3000:]
