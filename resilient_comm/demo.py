@@ -8,7 +8,8 @@ survivor is printed. With ``--spares 1`` a hot spare waits warm and takes the de
 place instead (world size kept; it receives its state from a peer). ``--nccl-emulated`` runs the
 workers on ``resilient_nccl`` with RESILIENT_COMM_NCCL_EMULATE=1: every collective, the failure,
 the shrink and the state copy go through the NCCL communicator on the NCCL emulator (the NCCL
-code path, without a GPU). ``--compare-torchrun`` runs the same experiment (same model, data,
+code path, without a GPU). ``--nodes 3`` runs it on three nodes (network namespaces, the
+membership on etcd) and loses a whole node (`demo_nodes`). ``--compare-torchrun`` runs the same experiment (same model, data,
 steps and checkpoint cadence) as a torchrun elastic restart from checkpoint, with torch's
 defaults and with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, and prints them side by side.
 """
@@ -29,9 +30,9 @@ from resilient_comm.bench.recovery import FIX, Run, Settings, run_ours, run_torc
 PHASES = ("detected", "aborted", "agreed", "rebuilt", "restored", "first_commit")
 
 
-def _timeline_table(run: Run, kill_t: float) -> list[str]:
+def _timeline_table(timelines: list[dict], kill_t: float) -> list[str]:
     lines = [f"{'rank':>4}  " + "  ".join(f"{p:>12}" for p in PHASES) + "   evidence (ms after the kill)"]
-    for tl in sorted(run.timelines, key=lambda t: t["rank"]):
+    for tl in sorted(timelines, key=lambda t: t["rank"]):
         cells = "  ".join(f"{1e3 * (tl['t'][p] - kill_t):>9.1f} ms" for p in PHASES)
         via = ", ".join(f"{k.replace('_', ' ')} {1e3 * (v - kill_t):.1f}" for k, v in sorted(tl["via"].items(),
                                                                                          key=lambda kv: kv[1]))
@@ -78,7 +79,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="run on resilient_nccl through the NCCL emulator (RESILIENT_COMM_NCCL_EMULATE=1)")
     p.add_argument("--compare-torchrun", action="store_true", help="also run it as a torchrun elastic restart")
     p.add_argument("--timeout", type=float, default=90.0, help="bound on each run, seconds (default 90)")
+    p.add_argument("--nodes", type=int, default=0,
+                   help="N >= 2: N nodes (network namespaces, root) on etcd, 2 workers each; a whole node is lost")
     a = p.parse_args(argv)
+    if a.nodes:
+        if a.nodes < 2:
+            p.error("--nodes must be at least 2")
+        from resilient_comm.demo_nodes import run_nodes
+
+        return run_nodes(a.nodes, 2, a.steps, a.kill_step, max(a.timeout, 180.0), _timeline_table)
     if a.nproc < 2:
         p.error("--nproc must be at least 2")
     if not 0 < a.kill_step < a.steps:
@@ -107,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         assert ours.fault_t is not None
         kill_t = ours.fault_t
         print(f"done in {time.time() - started:.1f} s. Recovery timeline of each member, ms after the kill:\n")
-        print("\n".join(_timeline_table(ours, kill_t)))
+        print("\n".join(_timeline_table(ours.timelines, kill_t)))
         tl = next(t for t in ours.timelines if t["lost"])
         placed = [t["rank"] for t in ours.timelines if not t["lost"]]
         if placed:

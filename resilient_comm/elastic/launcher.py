@@ -38,7 +38,11 @@ What it does, and how it differs from torchrun:
   node only.
 
 Multi-node: one launcher per node with the same ``--nnodes``, ``--nproc-per-node`` and
-``--rdzv-endpoint``; node 0 hosts the store and outlives the others' workers. Ranks are
+``--rdzv-endpoint``. With ``--rdzv-backend c10d`` node 0 hosts the store and outlives the
+others' workers; with ``--rdzv-backend etcd`` the membership is on an etcd cluster (the
+endpoint lists its members, ``h1:2379,h2:2379,...``), nobody hosts it, each node's liveness is
+a lease and a node cut off from the etcd majority is fenced (docs/elastic.md). Workers
+publish the address their node reaches the store from (``RESILIENT_COMM_HOST``). Ranks are
 static: ``node_rank * nproc_per_node + local_rank`` (min == max nodes only).
 """
 
