@@ -25,7 +25,7 @@ WHY = available()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"multi-node tests need namespaces and etcd: {WHY}")
 NODES, PER_NODE, STEPS, HOLD = 4, 2, 24, 8
 WORLD = NODES * PER_NODE
-LEASE_S = 3.0  # RESILIENT_COMM_NODE_LEASE_MS's default
+LEASE_S = 5.0  # RESILIENT_COMM_NODE_LEASE_MS's default
 
 
 class Job:
@@ -147,7 +147,8 @@ def test_a_whole_node_sigkill_is_seen_through_its_lease_and_the_job_goes_on(job:
     assert [d.members for d in ds] == [list(range(WORLD)), list(range(6))] and ds[1].lost == [6, 7], ds
     gone = job.m.gone([6, 7])
     assert all(g.kind == "suspect" and g.by == "agent 2" and "lease" in g.detail for g in gone.values()), gone
-    assert LEASE_S - 1.2 < ds[1].t - killed < LEASE_S + 3.0, f"decided {ds[1].t - killed:.2f} s after the kill"
+    print(f"[nodes] whole-node SIGKILL -> decision published: {ds[1].t - killed:.2f} s")
+    assert LEASE_S - 2.0 < ds[1].t - killed < LEASE_S + 3.0, f"decided {ds[1].t - killed:.2f} s after the kill"
     check_survivors(job, list(range(6)))
 
 
@@ -162,9 +163,11 @@ def test_a_partitioned_node_is_fenced_within_its_lease_and_the_majority_goes_on(
     evicted = [e for e in read_events(job.events) if e["event"] == "evicted"]
     assert sorted(e["rank"] for e in evicted) == [2, 3] and all("fenced" in e["why"] for e in evicted), evicted
     fenced_after = max(e["t"] for e in evicted) - cut
+    print(f"[nodes] partition -> node fenced: {fenced_after:.2f} s")
     assert fenced_after < LEASE_S + 1.0, f"node 1 fenced {fenced_after:.2f} s after the partition"
     ds = job.decisions()
     assert ds[-1].members == [0, 1, 4, 5, 6, 7] and sorted(ds[1].lost) == [2, 3], ds
+    print(f"[nodes] partition -> majority's decision published: {ds[1].t - cut:.2f} s")
     assert ds[1].t - cut > fenced_after - 0.5, "the majority decided before the partitioned node was fenced"
     check_survivors(job, [0, 1, 4, 5, 6, 7])
     minority = [e["step"] for e in read_events(job.events) if e["event"] == "commit" and e["rank"] in (2, 3)]
@@ -195,6 +198,7 @@ def test_losing_node_zeros_agent_takes_its_workers_out_and_the_rest_goes_on(job:
     assert ds[-1].members == list(range(2, WORLD)) and sorted(ds[1].lost) == [0, 1], ds
     gone = job.m.gone([0, 1])
     assert all(g.by == "agent 3" and "lease" in g.detail for g in gone.values()), gone
+    print(f"[nodes] node 0's agent SIGKILLed -> decision published: {ds[1].t - lost:.2f} s")
     assert ds[1].t - lost < LEASE_S + 3.0, f"decided {ds[1].t - lost:.2f} s after node 0's agent died"
     check_survivors(job, list(range(2, WORLD)))
     assert job.log(0).count("cannot recover: the node agent (resilient-run) is gone") == PER_NODE, job.log(0)[-3000:]

@@ -48,7 +48,7 @@ namespace resilient_comm::env {
     "elastic: heartbeat period of every member, in ms")                                          \
   X(kNodeHeartbeatMs, "RESILIENT_COMM_NODE_HEARTBEAT_MS", "200",                                \
     "elastic: period of each node agent's liveness record in the store, in ms")                 \
-  X(kNodeLeaseMs, "RESILIENT_COMM_NODE_LEASE_MS", "3000",                                       \
+  X(kNodeLeaseMs, "RESILIENT_COMM_NODE_LEASE_MS", "5000",                                       \
     "elastic, etcd: TTL of each node's lease; a node cut off from the store this long is fenced") \
   X(kSilenceFloorMs, "RESILIENT_COMM_SILENCE_FLOOR_MS", "1000",                                  \
     "elastic: a silent heartbeat is suspected past max(this, slow factor x its p99 step + comm)") \

@@ -12,14 +12,20 @@ agents"):
   (``RESILIENT_COMM_NODE_HEARTBEAT_MS``, 200 ms): a sequence number and the last beat of each
   of its member processes. The agent of node n reads only its *ring successor*'s record
   (the next node not known gone), so the steady-state store load is two operations per node
-  heartbeat per node (a set and a get), whatever the number of ranks. A record whose sequence stops for longer
-  than the node bound (``max(silence floor, min_silent_reads x node heartbeat)``) means the
-  node is lost: its predecessor reports every process of the record gone in one event, and
+  heartbeat per node (a set and a get), whatever the number of ranks. On a TCPStore, a record
+  whose sequence stops for longer than the node bound (``max(silence floor, min_silent_reads x
+  node heartbeat)``) means the node is lost; on etcd, the record is put with the node's lease
+  (``RESILIENT_COMM_NODE_LEASE_MS``) and its deletion at the lease's expiry is the evidence.
+  Either way its predecessor reports every process of the record gone in one event, and
   watches the next node. Stragglers on the successor are judged from its record.
-- **Events** (a rank gone, a decision published, the job finished) wake one queue per node,
-  ``{ns}/wake/node/{n}``; the agent's events thread reads each event once and forwards it to
-  its processes, with the gone records it names. Every second the agent also looks for an
-  event past the last one read, in case a poster died between posting and waking.
+- **Fencing** (etcd): an agent whose last keepalive the store answered is older than its lease
+  (less a margin) tells its workers ``fence``; they raise ``Evicted`` before the others can
+  see the lease expire and decide without them.
+- **Events** (a rank gone, a decision published, the job finished) reach each agent once: on
+  a TCPStore they wake one queue per node, ``{ns}/wake/node/{n}`` (every second the agent also
+  looks for an event past the last one read, in case a poster died between posting and
+  waking); on etcd the agent watches the next event's key. It forwards each event to its
+  processes, with the gone records it names.
 
 Protocol on the socket: ASCII lines of at most `MAX_LINE` bytes.
 
@@ -29,6 +35,7 @@ Protocol on the socket: ASCII lines of at most `MAX_LINE` bytes.
                       bye                   it stops beating on purpose (closing): judged no more
     agent -> worker   ev <event as JSON>     gone events carry their records under "gone"
                       lost <reason>          the agent lost the store: no recovery is possible
+                      fence <reason>         cut off from the store majority: leave (Evicted)
 
 Trust: the socket lives in a directory only this user can enter, and a connection is kept
 only if its peer (``SO_PEERCRED``) is one of the agent's processes, or a descendant of one,
@@ -227,10 +234,11 @@ class NodeAgent:
         """The process ended (its exit is reported by the launcher): it is judged no more."""
         with self._lock:
             p = self.procs.get(rank)
-            if p is not None:
-                p.done = True
-                conn = p.conn
-        if p is not None and conn is not None:
+            if p is None:
+                return
+            p.done = True
+            conn = p.conn
+        if conn is not None:
             self._close(next((c for c in self._conns if c.sock is conn), None))
 
     def hello(self, rank: int, cfg: DetectorConfig) -> Proc:

@@ -15,9 +15,9 @@ semantics the membership and the transports' bootstrap rely on:
   c10d's results (``compare_set`` of a missing key with a non-empty expected value returns the
   expected value and sets nothing).
 - ``wait``: a watch from the revision of the range that found the key missing, so a put in
-  between is never lost. Every wait is bounded by the store's timeout
-  (``DistStoreError``); an unreachable cluster is a ``DistNetworkError`` once every endpoint
-  failed. No call waits forever.
+  between is never lost. Every wait is bounded by the store's timeout (``DistStoreError``).
+  A call that finds no endpoint answering tries them again, round after round, for up to 10 s
+  (an election takes one or two), then raises ``DistNetworkError``. No call waits forever.
 - Leases for node liveness (`Lease`): a key put with a lease disappears when its holder stops
   refreshing it; that deletion, seen by a watch, is the evidence of a lost node.
 
@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 T = TypeVar("T")
 REQUEST_TIMEOUT_S = 1.0  # one HTTP request to one endpoint; then the next endpoint is tried
+UNREACHABLE_S = 10.0  # how long a call goes on trying the endpoints before the cluster counts as lost
 
 
 def _b64(data: str | bytes) -> str:
@@ -102,21 +103,28 @@ class EtcdStore(dist.Store):
 
     def _call(self, what: str, fn: Callable[[Any], T]) -> T:
         """fn(client) on the current endpoint, moving on to the next one on a connection
-        failure; a DistNetworkError once every endpoint failed."""
+        failure, round after round (an election takes a second or two) for at most
+        `UNREACHABLE_S` (or the store's timeout if shorter); then a DistNetworkError."""
         from etcd3gw import exceptions
 
-        errors = []
-        for i in range(len(self._clients)):
-            k = (self._current + i) % len(self._clients)
-            try:
-                out = fn(self._clients[k])
-            except (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError,
-                    exceptions.InternalServerError) as e:
-                errors.append(f"{self.endpoints[k][0]}:{self.endpoints[k][1]}: {type(e).__name__}")
-                continue
-            self._current = k
-            return out
-        raise dist.DistNetworkError(f"etcd unreachable for {what}: {'; '.join(errors)}")
+        budget = min(UNREACHABLE_S, self._timeout.total_seconds())
+        deadline, pause = time.monotonic() + budget, 0.05
+        while True:
+            errors = []
+            for i in range(len(self._clients)):
+                k = (self._current + i) % len(self._clients)
+                try:
+                    out = fn(self._clients[k])
+                except (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError,
+                        exceptions.InternalServerError) as e:
+                    errors.append(f"{self.endpoints[k][0]}:{self.endpoints[k][1]}: {type(e).__name__}")
+                    continue
+                self._current = k
+                return out
+            if time.monotonic() + pause > deadline:
+                raise dist.DistNetworkError(f"etcd unreachable for {what} for {budget:g} s: {'; '.join(errors)}")
+            time.sleep(pause)  # back-off between rounds (what ends the loop is an answer or the budget)
+            pause = min(0.5, pause * 2)
 
     def _post(self, path: str, payload: dict[str, Any], what: str) -> dict[str, Any]:
         return self._call(what, lambda c: c.post(c.get_url(path), json=payload))
