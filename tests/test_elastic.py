@@ -22,6 +22,7 @@ import torch
 
 from resilient_comm.elastic import EXIT_EVICTED, Decision, Membership
 from resilient_comm.elastic.toy import ToyJob
+from resilient_comm.testing.harness import same_state
 
 STEPS = 30
 WORLD = 4
@@ -35,16 +36,6 @@ def run(tmp: str, nproc: int, *args: str, timeout_s: float = 100.0) -> tuple[int
 
 def dumps(job: ToyJob, ranks: list[int]) -> dict[int, dict[str, Any]]:
     return {r: torch.load(os.path.join(job.workdir, "dump", f"final-{r}.pt"), weights_only=False) for r in ranks}
-
-
-def same_state(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def commits_by_rank(job: ToyJob) -> dict[int, list[int]]:

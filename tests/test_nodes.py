@@ -20,6 +20,7 @@ from resilient_comm.elastic import EXIT_EVICTED, Decision, Membership
 from resilient_comm.elastic.etcd import EtcdStore
 from resilient_comm.elastic.toy import read_events
 from resilient_comm.testing.cluster import NetnsCluster, available
+from resilient_comm.testing.harness import same_state
 
 WHY = available()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"multi-node tests need namespaces and etcd: {WHY}")
@@ -31,7 +32,7 @@ LEASE_S = 5.0  # RESILIENT_COMM_NODE_LEASE_MS's default
 class Job:
     """The toy on NODES nodes of PER_NODE workers, rank 0 held at step HOLD."""
 
-    def __init__(self, c: NetnsCluster, tmp: str) -> None:
+    def __init__(self, c: NetnsCluster, tmp: str, spares: dict[int, int] | None = None) -> None:
         self.c, self.tmp = c, tmp
         self.events, self.dump = os.path.join(tmp, "events"), os.path.join(tmp, "dump")
         self.launchers: dict[int, subprocess.Popen] = {}
@@ -40,7 +41,8 @@ class Job:
             self.logs[i] = open(os.path.join(tmp, f"node{i}.log"), "wb")  # noqa: SIM115
             self.launchers[i] = c.run(i, [
                 sys.executable, "-m", "resilient_comm.elastic", "--nnodes", str(NODES), "--node-rank", str(i),
-                "--nproc-per-node", str(PER_NODE), "--rdzv-backend", "etcd", "--rdzv-endpoint", c.endpoints(i),
+                "--nproc-per-node", str(PER_NODE), "--spares", str((spares or {}).get(i, 0)), "--rdzv-backend",
+                "etcd", "--rdzv-endpoint", c.endpoints(i),
                 "--rdzv-id", "job", "-m", "resilient_comm.elastic.toy", "--events", self.events, "--steps",
                 str(STEPS), "--dump", self.dump, "--hold", f"0:{HOLD}"], stdout=self.logs[i], stderr=subprocess.STDOUT)
         self.store = EtcdStore(c.endpoints(), datetime.timedelta(seconds=120))
@@ -93,9 +95,9 @@ class Job:
 
 
 @pytest.fixture
-def job(tmp_path: Any) -> Any:
+def job(tmp_path: Any, request: pytest.FixtureRequest) -> Any:
     with NetnsCluster(NODES, [0, 1, 2], str(tmp_path)) as c:
-        j = Job(c, str(tmp_path))
+        j = Job(c, str(tmp_path), getattr(request, "param", None))
         try:
             yield j
         finally:
@@ -111,27 +113,17 @@ def _a_follower(c: NetnsCluster, prefer: int) -> int:
     return prefer if prefer in followers else followers[0]
 
 
-def same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return bool(a == b)
-
-
-def check_survivors(job: Job, survivors: list[int]) -> dict[int, dict[str, Any]]:
+def check_survivors(job: Job, survivors: list[int], placed: tuple[int, ...] = ()) -> dict[int, dict[str, Any]]:
     finals = job.finals(survivors)
     for r in survivors:
         assert finals[r]["members"] == survivors and finals[r]["committed"] == STEPS - 1, (r, finals[r]["members"])
-        assert same(finals[r]["state"], finals[survivors[0]]["state"]), f"replica {r} differs from {survivors[0]}"
+        assert same_state(finals[r]["state"], finals[survivors[0]]["state"]), f"replica {r} differs from {survivors[0]}"
     commits: dict[int, list[int]] = {}
     for e in read_events(job.events):
         if e["event"] == "commit":
             commits.setdefault(e["rank"], []).append(e["step"])
     for r in survivors:
-        assert commits[r] == list(range(STEPS)), f"rank {r} committed {commits[r]}"
+        assert r in placed or commits[r] == list(range(STEPS)), f"rank {r} committed {commits[r]}"
     return finals
 
 
@@ -202,3 +194,19 @@ def test_losing_node_zeros_agent_takes_its_workers_out_and_the_rest_goes_on(job:
     assert ds[1].t - lost < LEASE_S + 3.0, f"decided {ds[1].t - lost:.2f} s after node 0's agent died"
     check_survivors(job, list(range(2, WORLD)))
     assert job.log(0).count("cannot recover: the node agent (resilient-run) is gone") == PER_NODE, job.log(0)[-3000:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("job", [{3: 1}], indirect=True)
+def test_a_spare_on_another_node_takes_a_lost_nodes_place(job: Job) -> None:
+    spare = WORLD + 3  # node 3's first spare id (WORLD + k * NODES + node)
+    job.store.wait([job.m.key("spare", "n")], datetime.timedelta(seconds=120))
+    job.held()
+    job.c.kill_node(2)  # ranks 4, 5; node 3's agent started the spare
+    job.go()
+    status = job.wait([0, 1, 3])
+    assert status == {0: 0, 1: 0, 3: 0}, {i: job.log(i)[-2000:] for i in status}
+    d = job.decisions()[-1]
+    assert d.joiners == [spare] and sorted(d.lost) == [4, 5] and len(d.members) == WORLD - 1, d
+    assert d.restore == "peer" and [s[0] for s in d.sources] == [spare], d
+    check_survivors(job, d.members, placed=(spare,))

@@ -71,30 +71,26 @@ ENV_AGENT = "RESILIENT_COMM_AGENT"  # path of the node agent's socket, in every 
 MAX_LINE = 1024
 
 
-def node_heartbeat_s() -> float:
+def _knob_s(name: str, least_ms: float) -> float:
+    """A millisecond knob, in seconds; at least `least_ms` (a clear ValueError otherwise)."""
     from resilient_comm.config import knobs
 
-    value = next(k for k in knobs() if k.name == "RESILIENT_COMM_NODE_HEARTBEAT_MS").value
+    value = next(k for k in knobs() if k.name == name).value
     try:
-        seconds = float(value) / 1e3
+        ms = float(value)
     except ValueError:
-        raise ValueError(f"RESILIENT_COMM_NODE_HEARTBEAT_MS={value!r} is not a number") from None
-    if not seconds > 0:
-        raise ValueError(f"RESILIENT_COMM_NODE_HEARTBEAT_MS must be positive, got {value!r}")
-    return seconds
+        raise ValueError(f"{name}={value!r} is not a number") from None
+    if not ms >= least_ms or not ms > 0:
+        raise ValueError(f"{name} must be at least {least_ms:g} ms and positive, got {value!r}")
+    return ms / 1e3
+
+
+def node_heartbeat_s() -> float:
+    return _knob_s("RESILIENT_COMM_NODE_HEARTBEAT_MS", 0)
 
 
 def node_lease_s() -> float:
-    from resilient_comm.config import knobs
-
-    value = next(k for k in knobs() if k.name == "RESILIENT_COMM_NODE_LEASE_MS").value
-    try:
-        seconds = float(value) / 1e3
-    except ValueError:
-        raise ValueError(f"RESILIENT_COMM_NODE_LEASE_MS={value!r} is not a number") from None
-    if seconds < 2:
-        raise ValueError(f"RESILIENT_COMM_NODE_LEASE_MS must be at least 2000 (etcd's shortest lease), got {value!r}")
-    return seconds
+    return _knob_s("RESILIENT_COMM_NODE_LEASE_MS", 2000)  # etcd's shortest lease is about 2 s
 
 
 def parse_hello(fields: list[str]) -> tuple[int, DetectorConfig]:

@@ -23,8 +23,10 @@ What it does, and how it differs from torchrun:
   last membership decision (evicted or dead ranks that the job recovered from do not count):
   0 when all of them exited 0, else the first failure's code (128+N for signal N). A plain
   torch script (no controller) is judged on every worker.
-- ``--spares K`` (node 0): starts K *hot spares* besides the workers: the same command with
-  ``RESILIENT_COMM_SPARE=1`` and RANK set to a spare id (``WORLD_SIZE`` and up). LOCAL_RANK
+- ``--spares K`` (any node): starts K *hot spares* besides the node's workers: the same command
+  with ``RESILIENT_COMM_SPARE=1`` and RANK set to a spare id (``WORLD_SIZE`` and up, node n of N
+  taking ``WORLD_SIZE + n``, ``+ N + n``, ...: a lost node's ranks can be replaced by spares on
+  any other node). LOCAL_RANK
   (the device a process may use) is ``nproc + j`` for the j-th initial spare (a node with 8
   GPUs runs ``--nproc-per-node 7 --spares 1``), and a refill spare gets the local rank of the
   process whose exit it replaces (that device is free now). A spare's `Controller` waits warm until the membership gives it a lost rank's place.
@@ -115,8 +117,6 @@ class Launcher:
             raise ValueError(f"bad layout: nproc {nproc}, nnodes {nnodes}, node_rank {node_rank}")
         if spares < 0 or (max_spare_starts is not None and max_spare_starts < 0):
             raise ValueError(f"bad spares: --spares {spares}, --max-spare-starts {max_spare_starts}")
-        if spares and node_rank != 0:
-            raise ValueError("--spares is given to node 0's launcher (it starts and replaces the spares)")
         if max_restarts and nnodes > 1:
             raise ValueError("--max-restarts needs a single node (restarting several nodes is not supported)")
         self.cmd, self.nproc, self.nnodes, self.node_rank = cmd, nproc, nnodes, node_rank
@@ -219,8 +219,9 @@ class Launcher:
         return w
 
     def _start_spare(self, local_rank: int) -> None:
-        """Start one spare with the next free id (ids are world size and up, per generation)."""
-        spare_id = self.world_size + self._next_spare
+        """Start one spare with the next free id: world size and up, interleaved by node (node n
+        of N gives ids W + n, W + N + n, ...), so every node's agent starts spares of its own."""
+        spare_id = self.world_size + self._next_spare * self.nnodes + self.node_rank
         self._next_spare += 1
         self.spare_starts += 1
         w = self._spawn(spare_id, local_rank, spare=True)
@@ -402,7 +403,7 @@ def parser() -> argparse.ArgumentParser:
                    help="whole-group restarts when no worker survives to recover (default 0)")
     p.add_argument("--monitor-interval", "--monitor_interval", type=float, default=None,
                    help="accepted for torchrun compatibility; exits are seen at once (pidfd), not polled")
-    p.add_argument("--spares", type=int, default=0, help="hot spares to keep waiting (node 0; default 0)")
+    p.add_argument("--spares", type=int, default=0, help="hot spares this node keeps waiting (default 0)")
     p.add_argument("--max-spare-starts", "--max_spare_starts", type=int, default=None, metavar="N",
                    help="spares started to refill the pool after failures, in all (default unlimited)")
     p.add_argument("--log-dir", "--log_dir", default=None, help="write each worker's output to DIR/GEN/RANK.log")

@@ -126,6 +126,19 @@ class Workers:
                 p.join()
 
 
+def same_state(a: Any, b: Any) -> bool:
+    """Bit-for-bit equality of two (nested) states: tensors by dtype and value."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
 def start_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0) -> Workers:
     """Start `world_size` workers running fn(ctx, *args); returns at once."""
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, True, timeout=datetime.timedelta(seconds=timeout_s),
