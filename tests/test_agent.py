@@ -9,10 +9,12 @@ import datetime
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -158,41 +160,47 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.mark.timeout(120)
-def test_workers_whose_agent_is_killed_fail_fast_with_a_recovery_error(tmp_path: Any) -> None:
-    log = tmp_path / "out.log"
+def test_workers_whose_agent_is_killed_fail_fast_with_a_recovery_error() -> None:
     cmd = [sys.executable, "-m", "resilient_comm.elastic", "--nproc-per-node", "2", "--rdzv-id", "lost",
            "-m", "resilient_comm.elastic.toy", "--steps", "100000", "--step-ms", "5", "--mark", "0:3"]
-    with open(log, "wb") as out:
-        launcher = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert launcher.stdout is not None
+    lines: list[str] = []
+    started = threading.Event()
+
+    def read(out: Any) -> None:  # until every writer (the launcher and its orphaned workers) ends
+        for line in out:
+            lines.append(line)
+            if "started 2 workers" in line:
+                started.set()
+
+    reader = threading.Thread(target=read, args=(launcher.stdout,), daemon=True)
+    reader.start()
+    pidfds: list[int] = []
     try:
-        deadline = time.monotonic() + 60
-        while b"started 2 workers" not in log.read_bytes():
-            assert time.monotonic() < deadline and launcher.poll() is None, log.read_text()
-            time.sleep(0.05)  # polling a log file the launcher writes
+        assert started.wait(60), "".join(lines)
         workers = _children(launcher.pid)
         assert len(workers) == 2, workers
-        host, port = "127.0.0.1", int(log.read_text().split("store 127.0.0.1:")[1].split(",")[0])
-        dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=60)).wait(["toy/at/0/3"])
+        pidfds = [os.pidfd_open(p) for p in workers]
+        port = int("".join(lines).split("store 127.0.0.1:")[1].split(",")[0])
+        dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=60)).wait(["toy/at/0/3"])
         launcher.kill()  # the agent (and, on one node, the store) with it
         killed = time.monotonic()
         launcher.wait()
-        left = set(workers)
-        while left:
-            left = {p for p in left if os.path.exists(f"/proc/{p}") and "zombie" not in _state(p)}
-            assert time.monotonic() - killed < 10, f"workers {left} still run 10 s after their agent died"
-            time.sleep(0.02)  # polling /proc for the orphans' exits
+        left = list(pidfds)
+        while left:  # a pidfd is readable once its process has ended
+            ready, _, _ = select.select(left, [], [], max(0.0, killed + 10 - time.monotonic()))
+            assert ready, f"{len(left)} workers still run 10 s after their agent died"
+            left = [fd for fd in left if fd not in ready]
         ended = time.monotonic() - killed
+        reader.join(10)
     finally:
-        for p in _children(launcher.pid) if launcher.poll() is None else []:
-            os.kill(p, signal.SIGKILL)
-    text = log.read_text()
+        for fd in pidfds:
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.close(fd)
+    text = "".join(lines)
     assert ended < 5.0, f"the workers took {ended:.1f} s to leave"
     assert text.count("cannot recover: the node agent (resilient-run) is gone") == 2, text[-3000:]
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(line for line in f if line.startswith("State:")).lower()
-    except (OSError, StopIteration):
-        return "zombie"

@@ -137,10 +137,9 @@ def _driver(port: int, nodes: list[int], nnodes: int, per_node: int, hb_s: float
             with lock:
                 known = set(state["gone"])
             live = [r for r in base.members if r not in known]
-            if m.all_joined(epoch, live):  # as the controller's decider does
-                joined = m.joined(epoch, live)
-                gone = m.gone([r for r in base.members if r not in live])
-                d = m.decide(decide(epoch, base, joined, gone, m.done(base.members), [], lambda n: None, live[0]))
+            complete = m.complete(epoch, base.members, live)  # as the controller's decider reads
+            if complete is not None:
+                d = m.decide(decide(epoch, base, *complete, m.done(base.members), [], lambda n: None, live[0]))
                 m.post_event({"kind": "decided", "epoch": d.epoch, "joiners": d.joiners})
                 m.store.set(f"{KEY}/published/{epoch}", repr(time.time()))
                 return

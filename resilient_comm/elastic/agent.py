@@ -462,11 +462,14 @@ class NodeAgent:
                     view.seq, view.changed_at, view.unchanged_reads = seq, t, 0
                     self._succ_ranks = sorted(int(r) for r in procs)
                     for r, (beat, silence, straggler, factor, reads) in procs.items():
-                        cfg = DetectorConfig(silence_floor_s=silence, straggler_floor_s=straggler,
-                                             slow_factor=factor, min_silent_reads=int(reads))
-                        if beat:
-                            rp = self._succ_procs.setdefault(int(r), RemoteProc(PeerView(changed_at=t), cfg))
-                            rp.view.update(beat, t)
+                        if not beat:
+                            continue
+                        rp = self._succ_procs.get(int(r))
+                        if rp is None:  # its bounds are read once, not at every record
+                            cfg = DetectorConfig(silence_floor_s=silence, straggler_floor_s=straggler,
+                                                 slow_factor=factor, min_silent_reads=int(reads))
+                            rp = self._succ_procs[int(r)] = RemoteProc(PeerView(changed_at=t), cfg)
+                        rp.view.update(beat, t)
                 else:
                     view.unchanged_reads += 1
             except (ValueError, KeyError, TypeError) as e:

@@ -572,10 +572,9 @@ class Controller:
             if live and live[0] == self.rank:
                 # One check per poll for every live member's join, whatever their number; the
                 # records are read once they are all there (the lost ranks' evidence with them).
-                if self._m.all_joined(epoch, live):
-                    joined = self._m.joined(epoch, live)
-                    gone = self._m.gone([r for r in base.members if r not in live])
-                    d = self._m.decide(self._decide(epoch, base, joined, gone))
+                complete = self._m.complete(epoch, base.members, live)
+                if complete is not None:
+                    d = self._m.decide(self._decide(epoch, base, *complete))
                     self._m.post_event({"kind": "decided", "epoch": d.epoch, "joiners": d.joiners})
                     return d
                 pace.wait()

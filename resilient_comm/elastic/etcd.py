@@ -97,10 +97,6 @@ class EtcdStore(dist.Store):
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self._timeout = timeout
 
-    @property
-    def timeout(self) -> datetime.timedelta:
-        return self._timeout
-
     def _call(self, what: str, fn: Callable[[Any], T]) -> T:
         """fn(client) on the current endpoint, moving on to the next one on a connection
         failure, round after round (an election takes a second or two) for at most
@@ -254,9 +250,6 @@ class EtcdStore(dist.Store):
         """Refresh `lease`; returns the TTL it has again (0: it had expired)."""
         r = self._post("/lease/keepalive", {"ID": str(lease)}, "keep a lease alive")
         return int(r.get("result", r).get("TTL", 0))
-
-    def revoke(self, lease: int) -> None:
-        self._post("/kv/lease/revoke", {"ID": str(lease)}, "revoke a lease")
 
     def put_with_lease(self, key: str, value: str | bytes, lease: int) -> None:
         self._put(key, _bytes(value), lease)

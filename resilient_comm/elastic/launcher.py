@@ -56,6 +56,7 @@ import logging
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import uuid
@@ -370,8 +371,6 @@ class Launcher:
 
 def _local_address(host: str) -> str:
     """The local address this host uses to reach `host` (no packet is sent)."""
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((socket.gethostbyname(host), 9))
         return str(s.getsockname()[0])

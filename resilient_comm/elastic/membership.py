@@ -172,9 +172,13 @@ class Membership:
     def join(self, epoch: int, record: JoinRecord) -> None:
         self.store.set(self.key("e", epoch, "join", record.rank), record.to_json())
 
-    def all_joined(self, epoch: int, ranks: list[int]) -> bool:
-        """Whether every one of `ranks` joined `epoch` (one call, whatever their number)."""
-        return bool(self.store.check([self.key("e", epoch, "join", r) for r in ranks]))
+    def complete(self, epoch: int, base: list[int], live: list[int]) -> tuple[dict[int, JoinRecord], dict[int, Gone]] | None:
+        """What the decider of `epoch` needs once every `live` member of `base` has joined:
+        their join records and the evidence on the others; None until then. Until then it
+        costs one call per poll, whatever the number of members."""
+        if not self.store.check([self.key("e", epoch, "join", r) for r in live]):
+            return None
+        return self.joined(epoch, live), self.gone([r for r in base if r not in live])
 
     def joined(self, epoch: int, ranks: list[int]) -> dict[int, JoinRecord]:
         return {r: JoinRecord.from_json(v) for r, v in self._present([self.key("e", epoch, "join", r) for r in ranks],
