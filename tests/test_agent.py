@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from resilient_comm.elastic import DetectorConfig, Membership
 from resilient_comm.elastic.agent import NodeAgent, Proc
+from resilient_comm.elastic.membership import Gone
 from resilient_comm.elastic.toy import ToyJob
 
 CFG = DetectorConfig(heartbeat_s=0.02, silence_floor_s=0.3, straggler_floor_s=0.3, slow_factor=10.0)
@@ -82,7 +83,9 @@ def test_a_lost_node_is_reported_once_by_its_ring_predecessor(store: dist.TCPSto
     assert sorted(gone) == [4, 5], gone
     assert all(g.kind == "suspect" and g.by == "agent 1" and "node 2 silent for" in g.detail for g in gone.values())
     events = [m.event(i) for i in range(3)]
-    assert events[0] == {"kind": "gone", "ranks": [4, 5], "node": 2} and events[1] is None, events
+    assert events[0] is not None and events[1] is None, events
+    assert {k: v for k, v in events[0].items() if k != "gone"} == {"kind": "gone", "ranks": [4, 5], "node": 2}
+    assert [Gone(**g) for g in events[0]["gone"]] == [gone[4], gone[5]], "the event carries the evidence"
     # Node 1 now watches node 0: a node whose agent finished is skipped, not suspected.
     agents[0].finish()
     _drive([agents[1]], lambda s, p: f"{s} 4 compute 1.0 10.0 0.1", lambda: 0 in agents[1].gone_nodes, 5)
@@ -204,3 +207,52 @@ def test_workers_whose_agent_is_killed_fail_fast_with_a_recovery_error() -> None
     text = "".join(lines)
     assert ended < 5.0, f"the workers took {ended:.1f} s to leave"
     assert text.count("cannot recover: the node agent (resilient-run) is gone") == 2, text[-3000:]
+
+
+@pytest.mark.timeout(30)
+def test_a_node_that_is_not_present_is_never_watched_and_the_ring_goes_round_it(store: dist.TCPStore) -> None:
+    """--nnodes 2:4: nodes 0 and 1 are the job's, node 3 joins as spare capacity (its spares
+    have ids W + j * 4 + 3), node 2 never starts. Watching node 2 would stop the ring there:
+    node 1 must watch node 3 instead, and report node 3's loss."""
+    world = 4  # nodes 0 and 1, two ranks each
+    spares3 = [world + 3, world + 4 + 3]
+    agents: dict[int, NodeAgent] = {}
+    for n, ranks in ((0, [0, 1]), (1, [2, 3]), (3, spares3)):
+        a = NodeAgent(Membership(store.clone(), "rc/a", 4), n, 4, nproc=2, config=CFG,  # type: ignore[attr-defined]
+                      node_heartbeat=0.04, present=range(2))
+        for r in ranks:
+            a.add(r, 0)
+            a.hello(r, CFG)
+        agents[n] = a
+    m = Membership(store, "rc/a", 4)
+    watched: list[int | None] = []
+
+    def looking(cond: Callable[[], bool]) -> Callable[[], bool]:
+        return lambda: bool(watched.append(agents[1]._watched)) or cond()
+
+    def beats(s: int, p: Proc) -> str:
+        return f"{s} 4 compute 1.0 10.0 0.1"
+
+    try:
+        for a in agents.values():
+            a.start()
+        assert agents[1].successor() == 0, "node 3 is on the ring before it announced itself"
+        agents[3].announce()
+        # Every agent's events thread adds node 3; node 1 then reads its record.
+        _drive(list(agents.values()), beats, looking(lambda: all(3 in a.ring() for a in agents.values()) and
+                                                     agents[1]._succ_view.seq >= 0), 5)
+        assert [a.successor() for a in agents.values()] == [1, 3, 0]
+        # Node 3 stops whole (its agent and its processes).
+        agents[3].stop()
+        took = _drive([agents[0], agents[1]], beats, looking(lambda: bool(m.gone(spares3))), 5)
+    finally:
+        for a in agents.values():
+            a.stop()
+    assert 0.3 <= took < 1.5, f"node 3 reported {took:.2f} s after it stopped (bound 0.3 s)"
+    assert 2 not in watched and watched[-1] == 3, f"node 1 watched {sorted(set(watched), key=str)}"
+    gone = m.gone([0, 1, 2, 3, 4, 5, *spares3])
+    assert sorted(gone) == spares3, gone
+    assert all(g.by == "agent 1" and "node 3 silent for" in g.detail for g in gone.values()), gone
+    events = [{k: v for k, v in e.items() if k != "gone"} for i in range(4) if (e := m.event(i)) is not None]
+    assert events == [{"kind": "node", "node": 3}, {"kind": "gone", "node": 3, "ranks": spares3}], events
+    assert agents[1].successor() == 0 and agents[1].ring() == {0, 1}

@@ -6,8 +6,10 @@ from __future__ import annotations
 import datetime
 import json
 import threading
+from dataclasses import asdict
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from resilient_comm.elastic import (
@@ -117,10 +119,12 @@ def test_failure_reports_are_recorded_once_and_events_have_no_holes(store: dist.
     for t in threads:
         t.join()
     assert sorted(got) == [1, 2, 3, 4], "slots 1..4 claimed once each (slot 0 is the gone event)"
-    assert m.event(0) == {"kind": "gone", "ranks": [1]} and m.event(5) is None
+    exit1 = asdict(Gone(1, "exit", "killed by SIGKILL", 10.0, "launcher"))
+    assert m.event(0) == {"kind": "gone", "ranks": [1], "gone": [exit1]} and m.event(5) is None
     lost = [Gone(r, "suspect", "node 2 silent", 11.0, "agent 1") for r in (1, 4, 5)]
     assert m.report_gone_many(lost, node=2) == [4, 5], "rank 1's first evidence stands"
-    assert m.event(5) == {"kind": "gone", "ranks": [4, 5], "node": 2}, "one event for a lost node"
+    assert m.event(5) == {"kind": "gone", "ranks": [4, 5], "gone": [asdict(g) for g in lost[1:]], "node": 2}, \
+        "one event for a lost node, with the evidence that was recorded"
     assert sorted((m.event(i) or {})["i"] for i in range(1, 5)) == [0, 1, 2, 3]
 
 
@@ -128,6 +132,21 @@ def test_decision_and_records_round_trip_through_json() -> None:
     d = Decision(3, [0, 2], {"tp": 1, "pp": 1, "dp": 2}, "init", 11, [1], [], 0, 1.5, 1.25)
     assert Decision.from_json(d.to_json()) == d and d.mesh_obj() == Mesh(dp=2)
     assert json.loads(d.to_json())["resume_step"] == 11
+
+
+def test_a_decision_at_16k_ranks_is_small_and_a_malformed_run_is_refused() -> None:
+    members = list(range(16384))
+    members[100:108] = range(16384, 16392)  # spares in a lost node's places
+    d = Decision(4, members, {"dp": 16384}, "shrink", 9, lost=list(range(100, 108)), slots=list(range(16384)),
+                 used_spares=list(range(16384, 16392)), joiners=list(range(16384, 16392)))
+    text = d.to_json()
+    assert len(text) < 400, f"{len(text)} bytes: rank lists are written as runs"
+    assert json.loads(text)["members"] == "0-99,16384-16391,108-16383"
+    assert Decision.from_json(text) == d
+    assert Decision.from_json(Decision(1, [], {"dp": 1}, "fail", 0).to_json()).members == []
+    for bad in ("5-3", "0-99999999", "a-b", "-1"):
+        with pytest.raises(ValueError):
+            Decision.from_json(text.replace("0-99,16384", bad + ",16384"))
 
 
 def _peer(**kw: float | str) -> PeerView:
@@ -276,3 +295,15 @@ def test_detector_config_comes_from_the_knobs(monkeypatch: pytest.MonkeyPatch) -
         DetectorConfig.from_env()
     with pytest.raises(ValueError, match="heartbeat_s must be a positive number"):
         DetectorConfig(heartbeat_s=0)
+
+
+def test_the_commit_vote_runs_on_the_jobs_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    from resilient_comm.elastic.controller import vote_device
+
+    assert vote_device("resilient_tcp") == torch.device("cpu")
+    assert vote_device("resilient_nccl", "cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert vote_device("resilient_nccl") == torch.device("cuda", 3), "a GPU job votes on NCCL, not TCP"
+    assert vote_device("resilient_tcp") == torch.device("cpu")
+    assert vote_device("resilient_nccl", "cuda:1") == torch.device("cuda", 1)

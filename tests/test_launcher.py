@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import asdict
 
 import pytest
 
@@ -78,7 +79,7 @@ open(os.path.join({str(tmp_path)!r}, "finished" + rank), "w").write(line)
     g = m.gone([1])[1]
     assert (g.kind, g.detail, g.by) == ("exit", "killed by SIGKILL", "launcher"), g
     assert 0 <= g.t - killed < 0.5 and reported < 1.0, f"reported {reported:.3f} s after the kill"
-    assert m.event(0) == {"kind": "gone", "ranks": [1]}
+    assert m.event(0) == {"kind": "gone", "ranks": [1], "gone": [asdict(g)]}, "the event carries the evidence"
     assert all(launcher.workers[r].proc.poll() is None for r in (0, 2)), "a survivor was stopped"
     for r in (0, 2):
         with open(fifos[r], "w") as f:
@@ -135,9 +136,80 @@ def test_bad_command_lines_are_refused() -> None:
     with pytest.raises(SystemExit):
         from resilient_comm.elastic.launcher import parser
 
-        parser().parse_args(["--nnodes", "1:4", "x.py"])
+        parser().parse_args(["--nnodes", "4:1", "x.py"])
     with pytest.raises(ValueError, match="single node"):
         Launcher(["true"], 2, nnodes=2, node_rank=0, endpoint="127.0.0.1:0", max_restarts=1)
+
+
+def test_nnodes_takes_n_or_a_min_max_range() -> None:
+    from resilient_comm.elastic.launcher import parser
+
+    assert [parser().parse_args([*a, "x.py"]).nnodes for a in ([], ["--nnodes", "3"], ["--nnodes", "3:3"],
+                                                              ["--nnodes", "2:5"])] == [(1, 1), (3, 3), (3, 3), (2, 5)]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("args", "error"), [
+    (["--nnodes", "4:2"], "argument --nnodes: '4:2': MIN 4 is more than MAX 2"),
+    (["--nnodes", "0:2"], "argument --nnodes: '0:2': a job needs at least 1 node (MIN >= 1)"),
+    (["--nnodes", "2:x"], "argument --nnodes: '2:x' is not N or MIN:MAX (whole numbers of nodes)"),
+    (["--nnodes", "2:3", "--node-rank", "3"], "--node-rank 3 is out of range: --nnodes 2:3 numbers the nodes 0 to 2"),
+    (["--nnodes", "2", "--node-rank", "2"], "--node-rank 2 is out of range: --nnodes 2:2 numbers the nodes 0 to 1"),
+    (["--nnodes", "1:2", "--max-restarts", "1"], "--max-restarts needs a single node"),
+    (["--nnodes", "2:3", "--node-rank", "2", "--spares", "0"],
+     "node 2 is a capacity node (--nnodes 2:3: nodes 2 to 2 run only spares) and --spares 0 leaves it nothing"),
+])
+def test_bad_node_ranges_are_refused_with_a_clear_error(args: list[str], error: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from resilient_comm.elastic.launcher import main
+
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as e:  # before any store is reached (none listens on port 1)
+        main([*args, "--rdzv-endpoint", "127.0.0.1:1", "x.py"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and error in err and err.startswith("usage: resilient-run"), err
+    assert time.monotonic() - t0 < 5.0
+
+
+@pytest.mark.timeout(60)
+def test_a_capacity_node_runs_only_spares_numbered_by_the_most_nodes(tmp_path: pathlib.Path) -> None:
+    """--nnodes 1:2: node 0 runs the job's two workers (and one spare); node 1 joins as spare
+    capacity: no workers, --nproc-per-node spares by default, ids interleaved by MAX with node
+    0's, its devices from 0. It announces itself to node 0's agent; both launchers exit 0."""
+    for r in (0, 1):
+        os.mkfifo(tmp_path / f"go{r}")
+    w = script(tmp_path, "w.py", f"""
+keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+        "RESILIENT_COMM_SPARE"]
+json.dump([os.environ.get(k) for k in keys], open(os.path.join({str(tmp_path)!r}, "env" + os.environ["RANK"]), "w"))
+if not os.environ.get("RESILIENT_COMM_SPARE"):
+    open(os.path.join({str(tmp_path)!r}, "go" + os.environ["RANK"])).readline()  # blocks until the test writes
+""")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    node0 = Launcher([sys.executable, w], 2, nnodes=1, max_nodes=2, node_rank=0, endpoint=endpoint, run_id="cap",
+                     spares=1)
+    status: dict[int, int] = {}
+    t0 = threading.Thread(target=lambda: status.__setitem__(0, node0.run()), daemon=True)
+    t0.start()
+    node1 = Launcher([sys.executable, w], 2, nnodes=1, max_nodes=2, node_rank=1, endpoint=endpoint, run_id="cap")
+    assert node1.capacity and node1.spares == 2 and not node0.capacity
+    status[1] = node1.run()  # its spares end at once (a plain script): so does the node
+    for r in (0, 1):
+        with open(tmp_path / f"go{r}", "w") as f:
+            f.write("go\n")
+    t0.join(30)
+    assert status == {0: 0, 1: 0}
+    m = Membership(node0.client(), node0.namespace)
+    events = [e for i in range(8) if (e := m.event(i)) is not None]
+    assert {"kind": "node", "node": 1} in events, events
+    assert node0._agent().present == {0, 1} and node1._agent().present == {0, 1}
+    got = {int(p.name[3:]): json.loads(p.read_text()) for p in tmp_path.glob("env*")}
+    # RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, RESILIENT_COMM_SPARE
+    assert got == {0: ["0", "0", "2", "2", "0", "2", None], 1: ["1", "1", "2", "2", "0", "2", None],
+                   2: ["2", "2", "2", "2", "0", "2", "1"],  # node 0's spare: W + 0 * MAX + 0
+                   3: ["3", "0", "2", "2", "1", "2", "1"], 5: ["5", "1", "2", "2", "1", "2", "1"]}, got
 
 
 @pytest.mark.timeout(60)

@@ -343,3 +343,39 @@ def test_subgroups_of_a_split_make_their_own_nccl_communicators() -> None:
              for i, groups in enumerate([((0, 2), (1, 3)), ((0, 1), (2, 3))]) for members in groups}
     assert all(len(v) == 1 for v in names.values()), names
     assert len({next(iter(v)) for v in names.values()}) == 4, names
+
+
+
+def _vote(ctx: WorkerContext) -> dict:
+    from resilient_comm import _C
+    from resilient_comm.elastic.controller import commit_vote
+
+    _emulate(RESILIENT_COMM_NCCL_EMULATE_KERNEL_US="300000")  # each kernel: 300 ms
+    ctx.init("resilient_nccl", timeout_s=30)
+    pg = dist.group.WORLD
+    assert pg is not None
+    dist.barrier()  # the communicator up
+    t0 = time.perf_counter()
+    work = dist.all_reduce(torch.ones(1), async_op=True)
+    issued = time.perf_counter() - t0
+    work.wait()
+    dist.barrier()
+    before = _C.nccl_emulator_stats()["kernels"]
+    t0 = time.perf_counter()
+    commit_vote(pg, torch.device("cpu"))
+    voted = time.perf_counter() - t0
+    after = _C.nccl_emulator_stats()["kernels"]
+    dist.destroy_process_group()
+    return {"issued_s": issued, "vote_s": voted, "kernels": after - before}
+
+
+@pytest.mark.timeout(90)
+def test_the_commit_vote_returns_only_once_its_device_op_has_landed() -> None:
+    """An op on the device communicator returns at its call (stream-ordered); the commit
+    vote, issued the same way, returns only after it completed (the update follows it)."""
+    for r in run_workers(_vote, 2, timeout_s=60):
+        assert r.ok, r.error
+        v = r.value
+        assert v["issued_s"] < 0.15, f"an async all_reduce took {v['issued_s']:.3f} s to issue"
+        assert v["vote_s"] >= 0.25, f"the vote returned after {v['vote_s']:.3f} s, before its 300 ms kernel ended"
+        assert v["kernels"] == 1, "the vote is one kernel on the NCCL communicator"

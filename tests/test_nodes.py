@@ -1,6 +1,7 @@
 """Nodes on one machine (network namespaces on a bridge, `testing.cluster`), the membership on a
 three-member etcd cluster among them, one resilient-run per node: a whole node SIGKILLed, a
-node partitioned, an etcd member lost, node 0's agent lost. Each time the job finishes with the
+node partitioned, an etcd member lost, node 0's agent lost, a capacity node (--nnodes 3:4)
+joining late and its spares taking a lost node's ranks. Each time the job finishes with the
 right survivors, bit-identical replicas and no hang; the partitioned node is fenced within its
 lease + 1 s. Skipped, with the reason, where namespaces or etcd are not available."""
 
@@ -32,21 +33,30 @@ LEASE_S = 5.0  # RESILIENT_COMM_NODE_LEASE_MS's default
 class Job:
     """The toy on NODES nodes of PER_NODE workers, rank 0 held at step HOLD."""
 
-    def __init__(self, c: NetnsCluster, tmp: str, spares: dict[int, int] | None = None) -> None:
-        self.c, self.tmp = c, tmp
+    def __init__(self, c: NetnsCluster, tmp: str, spares: dict[int, int] | None = None, nnodes: str = str(NODES),
+                 late: tuple[int, ...] = (), env: dict[str, str] | None = None) -> None:
+        """`nnodes`: the launchers' --nnodes; `late`: nodes not started here (`launch` them)."""
+        self.c, self.tmp, self.spares, self.nnodes = c, tmp, spares or {}, nnodes
+        self.env = {**os.environ, **(env or {})}
         self.events, self.dump = os.path.join(tmp, "events"), os.path.join(tmp, "dump")
         self.launchers: dict[int, subprocess.Popen] = {}
         self.logs: dict[int, Any] = {}
         for i in range(NODES):
-            self.logs[i] = open(os.path.join(tmp, f"node{i}.log"), "wb")  # noqa: SIM115
-            self.launchers[i] = c.run(i, [
-                sys.executable, "-m", "resilient_comm.elastic", "--nnodes", str(NODES), "--node-rank", str(i),
-                "--nproc-per-node", str(PER_NODE), "--spares", str((spares or {}).get(i, 0)), "--rdzv-backend",
-                "etcd", "--rdzv-endpoint", c.endpoints(i),
-                "--rdzv-id", "job", "-m", "resilient_comm.elastic.toy", "--events", self.events, "--steps",
-                str(STEPS), "--dump", self.dump, "--hold", f"0:{HOLD}"], stdout=self.logs[i], stderr=subprocess.STDOUT)
+            if i not in late:
+                self.launch(i)
         self.store = EtcdStore(c.endpoints(), datetime.timedelta(seconds=120))
         self.m = Membership(self.store, "rc/job/g0", NODES)
+
+    def launch(self, i: int) -> None:
+        """Start node i's launcher (--spares only where given: a capacity node's default is its own)."""
+        self.logs[i] = open(os.path.join(self.tmp, f"node{i}.log"), "wb")  # noqa: SIM115
+        spares = ["--spares", str(self.spares[i])] if i in self.spares else []
+        self.launchers[i] = self.c.run(i, [
+            sys.executable, "-m", "resilient_comm.elastic", "--nnodes", self.nnodes, "--node-rank", str(i),
+            "--nproc-per-node", str(PER_NODE), *spares, "--rdzv-backend", "etcd", "--rdzv-endpoint", self.c.endpoints(i),
+            "--rdzv-id", "job", "-m", "resilient_comm.elastic.toy", "--events", self.events, "--steps",
+            str(STEPS), "--dump", self.dump, "--hold", f"0:{HOLD}"], stdout=self.logs[i], stderr=subprocess.STDOUT,
+            env=self.env)
 
     def held(self, timeout_s: float = 150) -> None:
         """Until rank 0 holds at step HOLD (every node's launcher still running)."""
@@ -98,6 +108,20 @@ class Job:
 def job(tmp_path: Any, request: pytest.FixtureRequest) -> Any:
     with NetnsCluster(NODES, [0, 1, 2], str(tmp_path)) as c:
         j = Job(c, str(tmp_path), getattr(request, "param", None))
+        try:
+            yield j
+        finally:
+            j.close()
+
+
+@pytest.fixture
+def capacity_job(tmp_path: Any) -> Any:
+    """--nnodes 3:4: nodes 0 to 2 run the job, node 3 (no etcd member) is spare capacity, not
+    started yet. Rank 0 holds at step HOLD while node 3 starts (seconds): its peers, waiting in
+    the step's all-reduce, must not take it for a straggler meanwhile."""
+    with NetnsCluster(NODES, [0, 1, 2], str(tmp_path)) as c:
+        j = Job(c, str(tmp_path), nnodes=f"{NODES - 1}:{NODES}", late=(NODES - 1,),
+                env={"RESILIENT_COMM_STRAGGLER_FLOOR_MS": "600000"})
         try:
             yield j
         finally:
@@ -210,3 +234,33 @@ def test_a_spare_on_another_node_takes_a_lost_nodes_place(job: Job) -> None:
     assert d.joiners == [spare] and sorted(d.lost) == [4, 5] and len(d.members) == WORLD - 1, d
     assert d.restore == "peer" and [s[0] for s in d.sources] == [spare], d
     check_survivors(job, d.members, placed=(spare,))
+
+
+@pytest.mark.timeout(300)
+def test_a_capacity_node_joins_late_and_its_spares_take_a_lost_nodes_place(capacity_job: Job) -> None:
+    """Node 3 joins the 3:4 job once steps are committed: its launcher runs only spares (two,
+    by default), which register; node 2 is SIGKILLed whole, its lease expires, and node 3's
+    spares take ranks 4 and 5: the world is kept, the replicas are bit-identical and every
+    launcher left exits 0."""
+    job, world = capacity_job, (NODES - 1) * PER_NODE
+    spares = [world + 3, world + NODES + 3]  # node 3's: W + j * MAX + 3
+    job.held()
+    job.launch(3)
+    job.store.wait([job.m.key("spare", i) for i in range(2)], datetime.timedelta(seconds=120))
+    assert sorted(job.m.spares()) == spares
+    job.c.kill_node(2)  # ranks 4, 5 (its etcd member stays)
+    killed = time.time()
+    job.go()
+    status = job.wait([0, 1, 3])
+    assert status == {0: 0, 1: 0, 3: 0}, {i: job.log(i)[-2000:] for i in status}
+    ds = job.decisions()
+    assert len(ds) == 2 and ds[0].members == list(range(world)), ds
+    d = ds[1]
+    assert (sorted(d.lost), sorted(d.joiners), d.restore) == ([4, 5], spares, "peer"), d
+    assert d.members[:4] == [0, 1, 2, 3] and sorted(d.members[4:]) == spares and d.slots == list(range(world)), d
+    gone = job.m.gone([4, 5])
+    assert all(g.kind == "suspect" and g.by == "agent 1" and "lease" in g.detail for g in gone.values()), gone
+    print(f"[nodes] whole-node SIGKILL, capacity node's spares placed -> decision published: {d.t - killed:.2f} s")
+    assert LEASE_S - 2.0 < d.t - killed < LEASE_S + 3.0, f"decided {d.t - killed:.2f} s after the kill"
+    check_survivors(job, d.members, placed=tuple(spares))
+    assert "as capacity node 3 (--nnodes 3:4)" in job.log(3), job.log(3)[-2000:]

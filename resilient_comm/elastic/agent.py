@@ -11,7 +11,8 @@ agents"):
 - **One liveness record per node**, ``{ns}/node/{n}``, rewritten every node heartbeat
   (``RESILIENT_COMM_NODE_HEARTBEAT_MS``, 200 ms): a sequence number and the last beat of each
   of its member processes. The agent of node n reads only its *ring successor*'s record
-  (the next node not known gone), so the steady-state store load is two operations per node
+  (the next node present -- initial, or a capacity node that announced itself -- and not
+  known gone), so the steady-state store load is two operations per node
   heartbeat per node (a set and a get), whatever the number of ranks. On a TCPStore, a record
   whose sequence stops for longer than the node bound (``max(silence floor, min_silent_reads x
   node heartbeat)``) means the node is lost; on etcd, the record is put with the node's lease
@@ -56,8 +57,8 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -175,10 +176,13 @@ class NodeAgent:
     def __init__(self, membership: Membership, node: int, nnodes: int, *, nproc: int,
                  config: DetectorConfig | None = None, node_heartbeat: float | None = None,
                  register: Callable[[Any, Callable[[], None]], object] | None = None,
-                 unregister: Callable[[Any], object] | None = None, lease_s: float | None = None) -> None:
+                 unregister: Callable[[Any], object] | None = None, lease_s: float | None = None,
+                 present: Iterable[int] | None = None) -> None:
         """`register(fileobj, callback)` / `unregister(fileobj)` put the socket and its
         connections in the caller's event loop (the launcher's selector); without them the
-        agent has no socket (the benchmark feeds beats by `on_beat`)."""
+        agent has no socket (the benchmark feeds beats by `on_beat`). `nnodes` is the most
+        nodes the job may have; `present` the nodes that are there from the start (default:
+        all of them), the others join the ring when they `announce` themselves."""
         self.m, self.node, self.nnodes, self.nproc = membership, node, nnodes, nproc
         self.cfg = config or DetectorConfig.from_env()
         self.node_hb = node_heartbeat or node_heartbeat_s()
@@ -190,11 +194,15 @@ class NodeAgent:
         self._observers: list[PeerView] = []
         self.procs: dict[int, Proc] = {}
         self.gone_nodes: set[int] = set()  # lost, or finished (their agents said so)
+        # The ring's nodes: the initial ones, and capacity nodes that announced themselves.
+        self.present: set[int] = {node, *(range(nnodes) if present is None else present)}
+        self._announced: set[int] = set()  # capacity nodes that said they started (they had a record)
         self._finished = False
-        self._lock = threading.Lock()  # procs' connections and gone_nodes: both threads
+        self._lock = threading.Lock()  # procs' connections, gone_nodes and present: both threads
         self._seq = 0
         self._next_tick = time.monotonic()
         self._next_node_beat = self._next_tick
+        self._next_judge = self._next_tick
         self._next_missed_check = self._next_tick
         self._watched: int | None = None  # the ring successor
         self._succ_view = PeerView()
@@ -347,12 +355,37 @@ class NodeAgent:
         return max(0.0, self._next_tick - time.monotonic())
 
     def tick(self) -> None:
-        """Called by the loop when `next_tick_in()` is 0: judge this node's processes; at each
-        node heartbeat, write this node's record and read the successor's."""
+        """Called by the loop when `next_tick_in()` is 0: at the workers' heartbeat, judge this
+        node's processes; at the node heartbeat (TCPStore), write this node's record and read
+        the successor's (on etcd the lease thread does that)."""
         t = time.monotonic()
         if t < self._next_tick:
             return
-        self._next_tick = t + min([p.cfg.heartbeat_s for p in self.procs.values() if p.cfg] + [self.cfg.heartbeat_s])
+        node_beat = t >= self._next_node_beat and not self.lease_s
+        if node_beat:
+            self._next_node_beat = t + self.node_hb
+        if t >= self._next_judge:
+            self._judge(t)
+        # Each on its own cadence: the workers' heartbeat may be slower than the node's.
+        self._next_tick = self._next_judge if self.lease_s else min(self._next_judge, self._next_node_beat)
+        if node_beat and not self.fenced:
+            try:
+                if not self._finished:
+                    self.m.node_beat(self.node, self.record())
+                with self._lock:
+                    observers = list(self._observers)
+                self._watch_successor(self.m, observers, t)
+                if t >= self._next_missed_check:
+                    self._next_missed_check = t + 1.0
+                    if self.m.event(self._next_event) is not None:
+                        self.m.wake_node(self.node, "missed")  # its poster died before waking us
+            except dist.DistError as e:
+                self._lost(e)
+
+    def _judge(self, t: float) -> None:
+        """Judge this node's processes (at their heartbeat): silent ones, and stragglers that
+        the others wait for."""
+        self._next_judge = t + min([p.cfg.heartbeat_s for p in self.procs.values() if p.cfg] + [self.cfg.heartbeat_s])
         with self._lock:
             procs = [p for p in self.procs.values() if p.judged()]
         for p in procs:
@@ -372,18 +405,6 @@ class NodeAgent:
             why = silence_why(p.view, t, p.cfg) or self._straggler(p.view, p.cfg, observers, t)
             if why:
                 self._suspect([p.rank], why, time.time() - (t - p.view.changed_at))
-        if t >= self._next_node_beat and not self.lease_s:
-            self._next_node_beat = t + self.node_hb
-            try:
-                if not self._finished:
-                    self.m.node_beat(self.node, self.record())
-                self._watch_successor(self.m, observers, t)
-                if t >= self._next_missed_check:
-                    self._next_missed_check = t + 1.0
-                    if self.m.event(self._next_event) is not None:
-                        self.m.wake_node(self.node, "missed")  # its poster died before waking us
-            except dist.DistError as e:
-                self._lost(e)
 
     @staticmethod
     def _straggler(view: PeerView, cfg: DetectorConfig, observers: list[PeerView], t: float) -> str | None:
@@ -426,14 +447,33 @@ class NodeAgent:
         except dist.DistError as e:
             self._lost(e)
 
-    def successor(self) -> int | None:
+    def ring(self) -> set[int]:
+        """The nodes on the ring: present (initial, or announced) and not gone."""
         with self._lock:
-            gone = set(self.gone_nodes)
+            return self.present - self.gone_nodes
+
+    def successor(self) -> int | None:
+        """The next node of the ring after this one. A node that is not present is never
+        watched: it has no record, and the ring would stop at it."""
+        ring = self.ring()
         for i in range(1, self.nnodes):
             n = (self.node + i) % self.nnodes
-            if n not in gone:
+            if n in ring:
                 return n
         return None
+
+    def announce(self) -> None:
+        """A capacity node joins the ring: once this node has a record (its predecessor, told
+        by the event, must find one to watch), post a "node" event. Every agent's events
+        thread adds the node to `present` (`_forward`), an agent that starts later too: each
+        reads the events from the first."""
+        if self.lease_s:  # etcd: the lease thread puts the first record, with the lease
+            store: Any = self.m.store
+            if not store.wait_for(self.m.key("node", self.node), self.lease_s, self._stop):
+                log.warning("node %d: no record after %g s; announcing it anyway", self.node, self.lease_s)
+        else:
+            self.m.node_beat(self.node, self.record())
+        self.m.announce_node(self.node)
 
     def _watch_successor(self, m: Membership, observers: list[PeerView], t: float) -> None:
         succ = self.successor()
@@ -442,10 +482,14 @@ class NodeAgent:
         if succ is None:
             return
         view = self._succ_view
-        text = m.node_record(succ, present=view.seq >= 0 and not self.lease_s)
-        if text is None and view.seq >= 0 and self.lease_s:
+        text = m.node_record(succ)
+        # (A node that announced itself had a record: if its lease took it before this agent
+        # read it once, the node is lost all the same, though which processes it ran is unknown.)
+        if text is None and (view.seq >= 0 or succ in self._announced) and self.lease_s:
             why = (f"node {succ}'s lease ({self.lease_s:g} s) expired: its agent stopped renewing it "
                    "(the node is lost or cut off from the store)")
+            if view.seq < 0:
+                log.warning("node %d: %s before its record was read once: the ring goes on past it", self.node, why)
             self._suspect(self._succ_ranks, why, time.time() - self.lease_s, node=succ, m=m)
             with self._lock:
                 self.gone_nodes.add(succ)
@@ -486,7 +530,7 @@ class NodeAgent:
             with self._lock:
                 self.gone_nodes.add(succ)
             return
-        for r, rp in list(self._succ_procs.items()):
+        for r, rp in list(self._succ_procs.items()) if observers else ():  # stragglers: only if some wait
             late = self._straggler(rp.view, rp.cfg, observers, t)
             if late:
                 del self._succ_procs[r]  # reported once
@@ -597,12 +641,22 @@ class NodeAgent:
                     return
                 self._stop.wait(0.5)  # etcd: every endpoint failed this time; try again
 
+    @property
+    def events_read(self) -> int:
+        """How many events the events thread has read (a capacity node's launcher looks at
+        the membership when it grows)."""
+        return self._next_event
+
     def _forward(self, m: Membership, ev: dict[str, Any]) -> None:
         try:
             kind = ev["kind"]
+            if kind == "node":  # a capacity node joined the ring: news for agents, not workers
+                with self._lock:
+                    self.present.add(int(ev["node"]))
+                    self._announced.add(int(ev["node"]))
+                return
             if kind == "gone":
-                ranks = [int(r) for r in ev["ranks"]]
-                ev = {**ev, "gone": [asdict(g) for g in m.gone(ranks).values()]}
+                ranks = [int(r) for r in ev["ranks"]]  # (their evidence is in the event: no read)
                 with self._lock:
                     if ev.get("node") is not None:
                         self.gone_nodes.add(int(ev["node"]))

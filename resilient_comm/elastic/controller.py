@@ -14,7 +14,9 @@ replaces them). ``state`` is anything with ``state_dict()``/``load_state_dict()`
 or an object bundling model and optimizer).
 
 **Commit protocol.** ``s.commit(apply, grads)`` averages `grads` over the DP group, then every
-member *votes*: an all_reduce(MIN) of 1 on the world. A member reaches its vote only after
+member *votes*: an all_reduce(MIN) of 1 on the world (on the device communicator in a GPU job:
+``device``, by default the current CUDA device on resilient_nccl; the host waits for the
+vote to complete, `commit_vote`). A member reaches its vote only after
 every collective of its step succeeded, so a vote result of 1 on any member means every member
 of the epoch completed the step's collectives. Only then ``apply()`` (the optimizer update)
 runs and the step is *committed*. The invariant, for any two members of an epoch::
@@ -118,6 +120,37 @@ class Groups:
     pp: dist.ProcessGroup
 
 
+def vote_device(backend: str, device: torch.device | str | None = None) -> torch.device:
+    """Where the per-step commit vote runs: `device` if given; else the current accelerator
+    of a device backend (resilient_nccl: CUDA, resilient_hccl: NPU), so that a GPU job's
+    vote goes through the device communicator like its gradients and not through TCP; else
+    the CPU."""
+    if device is not None:
+        return torch.device(device)
+    if backend == "resilient_nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    npu = getattr(torch, "npu", None)
+    if backend == "resilient_hccl" and npu is not None and npu.is_available():
+        return torch.device("npu", npu.current_device())
+    return torch.device("cpu")
+
+
+def commit_vote(group: dist.ProcessGroup, device: torch.device) -> None:
+    """The commit vote: an all_reduce(MIN) of 1 that returns only once it has completed on
+    every member, or raises its error. On a device the op is stream-ordered (`wait` only
+    orders the caller's stream), so the host polls it to the end: the update must not be
+    applied, nor the step counted committed, before the vote is known to have landed. What
+    ends the poll is the op: it completes, fails, or is failed by its deadline (the watchdog)
+    or a revoke."""
+    vote = torch.ones(1, dtype=torch.int32, device=device)
+    work = dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group, async_op=True)
+    assert work is not None
+    pace = _Pacer(first_s=20e-6, cap_s=0.001)
+    while not work.is_completed():
+        pace.wait()
+    work.wait()  # raises the op's error, if it failed
+
+
 class _Pacer:
     """Back-off for store polling loops (pacing only: what ends a loop is a key or a bound)."""
 
@@ -177,12 +210,13 @@ class Controller:
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int = 0,
         checkpoint_keep: int = 3,
+        device: torch.device | str | None = None,
     ) -> None:
         """`state`: the state provider (``state_dict``/``load_state_dict``: a module, a
         `TrainState`, ...), or a factory called with this process's `Place` once it is known
         (a hot spare learns its place only when it is given one: a pipeline stage's model
         depends on it). On a hot spare the constructor blocks until the spare is placed or
-        the job ends."""
+        the job ends. `device`: where the commit vote runs (`vote_device`)."""
         env = os.environ
         missing = [k for k in ("RANK", "WORLD_SIZE", ENV_STORE, ENV_NAMESPACE, ENV_AGENT) if k not in env]
         if missing:
@@ -195,6 +229,7 @@ class Controller:
         self._state_arg = state
         self._state: Stateful | None = None if callable(state) and not hasattr(state, "state_dict") else state  # type: ignore[assignment]
         self._backend = backend
+        self._vote_device = vote_device(backend, device)
         self._timeout = timeout or dist.default_pg_timeout
         self._comm_bytes = comm_bytes
         self._snapshot_on = snapshot and state is not None
@@ -407,8 +442,7 @@ class Controller:
                 t.copy_(reduced)
         self._emit("step.synced", step=step)
         self._pending = (step, apply)
-        vote = torch.ones(1, dtype=torch.int32)
-        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=g.world)
+        commit_vote(g.world, self._vote_device)
         self._pending = None
         self.committed, self.next_step, self._dirty = step, step + 1, False
         if self._ckpt is not None and not self._snapshot_on:
@@ -559,7 +593,7 @@ class Controller:
         """The decider (the lowest live member of `base`) polls the join records and publishes;
         the others wait for the agent's news (the decision's event, or a death that may make
         them the decider)."""
-        pace = _Pacer()
+        pace = _Pacer(cap_s=max(0.005, 2e-6 * len(base.members)))  # etcd: a poll checks every member's key
         while True:
             news = self._detector.news()
             self._check_fatal()
@@ -570,14 +604,17 @@ class Controller:
             if time.monotonic() > deadline:
                 raise RecoveryError(f"no decision for epoch {epoch} before the deadline (waiting on {live})")
             if live and live[0] == self.rank:
-                # One check per poll for every live member's join, whatever their number; the
-                # records are read once they are all there (the lost ranks' evidence with them).
-                complete = self._m.complete(epoch, base.members, live)
+                # One call for every live member's join, whatever their number (a wait the
+                # store answers, or a check on etcd); the records are read once they are all
+                # there, the lost ranks' evidence with them. The wait is short: a rank lost
+                # meanwhile changes who is live.
+                complete = self._m.complete(epoch, base.members, live, wait_s=min(0.1, self._timeout.total_seconds()))
                 if complete is not None:
                     d = self._m.decide(self._decide(epoch, base, *complete))
                     self._m.post_event({"kind": "decided", "epoch": d.epoch, "joiners": d.joiners})
                     return d
-                pace.wait()
+                if self._m.watches:
+                    pace.wait()
             else:
                 self._detector.wait_news(news, min(1.0, max(0.0, deadline - time.monotonic())))
 

@@ -10,7 +10,9 @@ semantics the membership and the transports' bootstrap rely on:
 
 - ``set``/``get``/``check``/``multi_get``/``delete_key``/``num_keys``: puts and linearizable
   ranges (a member cut off from the majority cannot answer: the client tries the next
-  endpoint). ``get`` of a missing key waits for it, as c10d's does.
+  endpoint). ``get`` of a missing key waits for it, as c10d's does. ``check``, ``multi_get``
+  and ``multi_set`` of many keys go in transactions of up to 128 operations (etcd's default
+  ``--max-txn-ops``), not one request per key.
 - ``compare_set`` and ``add``: transactions (compare on the value or on the revision), with
   c10d's results (``compare_set`` of a missing key with a non-empty expected value returns the
   expected value and sets nothing).
@@ -37,13 +39,14 @@ import functools
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
 T = TypeVar("T")
 REQUEST_TIMEOUT_S = 1.0  # one HTTP request to one endpoint; then the next endpoint is tried
 UNREACHABLE_S = 10.0  # how long a call goes on trying the endpoints before the cluster counts as lost
+TXN_OPS = 128  # operations per transaction: etcd's default --max-txn-ops
 
 
 def _b64(data: str | bytes) -> str:
@@ -161,15 +164,39 @@ class EtcdStore(dist.Store):
             raise dist.DistStoreError(f"etcd key {key!r} was deleted while being read")
         return value
 
+    def _values(self, keys: list[str]) -> list[bytes | None]:
+        """The keys' values (None: missing), read by transactions of up to `TXN_OPS` ranges:
+        a decider reading 16K join records makes 128 requests, not 16K."""
+        out: list[bytes | None] = []
+        for i in range(0, len(keys), TXN_OPS):
+            chunk = keys[i:i + TXN_OPS]
+            r = self._txn([], [{"request_range": {"key": _b64(k)}} for k in chunk], [], f"read {len(chunk)} keys")
+            responses = r.get("responses") or []
+            if len(responses) != len(chunk):
+                raise dist.DistStoreError(f"etcd answered {len(responses)} reads for {len(chunk)} keys")
+            for resp in responses:
+                kvs = (resp.get("response_range") or {}).get("kvs") or []
+                out.append(_unb64(kvs[0].get("value", "")) if kvs else None)
+        return out
+
     def check(self, keys: list[str]) -> bool:
-        return all(self.value(k)[0] is not None for k in keys)
+        return all(v is not None for v in self._values(keys))
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        return [self.get(k) for k in keys]
+        values = self._values(keys)
+        missing = [k for k, v in zip(keys, values) if v is None]
+        if missing:  # get's semantics: wait for them
+            self.wait(missing)
+            values = self._values(keys)
+        if any(v is None for v in values):
+            raise dist.DistStoreError(f"etcd: a key of {keys[:3]}... was deleted while being read")
+        return cast(list[bytes], values)
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        for k, v in zip(keys, values):
-            self.set(k, v)
+        for i in range(0, len(keys), TXN_OPS):
+            self._txn([], [{"request_put": {"key": _b64(k), "value": _b64(_bytes(v))}}
+                           for k, v in zip(keys[i:i + TXN_OPS], values[i:i + TXN_OPS])], [],
+                      f"set {len(keys[i:i + TXN_OPS])} keys")
 
     def delete_key(self, key: str) -> bool:
         r = self._post("/kv/deleterange", {"key": _b64(key)}, f"delete {key!r}")

@@ -2,6 +2,7 @@
 
     resilient-run --nproc-per-node 4 train.py --lr 0.1
     resilient-run --nnodes 2 --node-rank 0 --rdzv-endpoint host0:29400 --nproc-per-node 8 -m pkg.train
+    resilient-run --nnodes 2:3 --node-rank 2 --rdzv-endpoint host0:29400 --nproc-per-node 8 -m pkg.train
 
 What it does, and how it differs from torchrun:
 
@@ -24,9 +25,9 @@ What it does, and how it differs from torchrun:
   0 when all of them exited 0, else the first failure's code (128+N for signal N). A plain
   torch script (no controller) is judged on every worker.
 - ``--spares K`` (any node): starts K *hot spares* besides the node's workers: the same command
-  with ``RESILIENT_COMM_SPARE=1`` and RANK set to a spare id (``WORLD_SIZE`` and up, node n of N
-  taking ``WORLD_SIZE + n``, ``+ N + n``, ...: a lost node's ranks can be replaced by spares on
-  any other node). LOCAL_RANK
+  with ``RESILIENT_COMM_SPARE=1`` and RANK set to a spare id (``WORLD_SIZE`` and up, node n of at
+  most N (``--nnodes``'s MAX) taking ``WORLD_SIZE + n``, ``+ N + n``, ...: a lost node's ranks
+  can be replaced by spares on any other node). LOCAL_RANK
   (the device a process may use) is ``nproc + j`` for the j-th initial spare (a node with 8
   GPUs runs ``--nproc-per-node 7 --spares 1``), and a refill spare gets the local rank of the
   process whose exit it replaces (that device is free now). A spare's `Controller` waits warm until the membership gives it a lost rank's place.
@@ -45,7 +46,16 @@ others' workers; with ``--rdzv-backend etcd`` the membership is on an etcd clust
 endpoint lists its members, ``h1:2379,h2:2379,...``), nobody hosts it, each node's liveness is
 a lease and a node cut off from the etcd majority is fenced (docs/elastic.md). Workers
 publish the address their node reaches the store from (``RESILIENT_COMM_HOST``). Ranks are
-static: ``node_rank * nproc_per_node + local_rank`` (min == max nodes only).
+static: ``node_rank * nproc_per_node + local_rank``.
+
+``--nnodes MIN:MAX``: nodes 0 to MIN-1 are the job's (``WORLD_SIZE`` = MIN x nproc); a node
+ranked MIN to MAX-1 is *spare capacity*, started at any time, before or after the job started:
+its launcher runs no workers, only spares (``--spares``, default ``--nproc-per-node``; LOCAL_RANK
+0, 1, ...), which the membership places when ranks are lost on any node. Its agent announces
+the node (a "node" event) and every agent adds it to the ring. Every process gets
+``GROUP_WORLD_SIZE`` = MAX (every node the job may have: the membership wakes that many node
+agents) and ``GROUP_RANK`` = its node's rank; ``WORLD_SIZE // LOCAL_WORLD_SIZE`` is the number of
+nodes with workers. ``N`` and ``N:N`` are the same static job.
 """
 
 from __future__ import annotations
@@ -110,17 +120,32 @@ class Launcher:
         log_dir: str | None = None,
         env: dict[str, str] | None = None,
         store_timeout: datetime.timedelta = datetime.timedelta(minutes=30),
-        spares: int = 0,
+        spares: int | None = None,
         max_spare_starts: int | None = None,
         rdzv_backend: str = "c10d",
+        max_nodes: int | None = None,
     ) -> None:
-        if nproc < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
-            raise ValueError(f"bad layout: nproc {nproc}, nnodes {nnodes}, node_rank {node_rank}")
+        """`nnodes` and `max_nodes` are ``--nnodes MIN:MAX`` (`max_nodes` None: MAX = MIN);
+        `spares` None: none on an initial node, `nproc` on a capacity node."""
+        max_nodes = nnodes if max_nodes is None else max_nodes
+        if nproc < 1:
+            raise ValueError(f"--nproc-per-node {nproc}: must be at least 1")
+        if not 1 <= nnodes <= max_nodes:
+            raise ValueError(f"--nnodes {nnodes}:{max_nodes}: needs 1 <= MIN <= MAX")
+        if not 0 <= node_rank < max_nodes:
+            raise ValueError(f"--node-rank {node_rank} is out of range: --nnodes {nnodes}:{max_nodes} numbers "
+                             f"the nodes 0 to {max_nodes - 1}")
+        self.capacity = node_rank >= nnodes  # joins as spare capacity: no workers of its own, only spares
+        spares = (nproc if self.capacity else 0) if spares is None else spares
         if spares < 0 or (max_spare_starts is not None and max_spare_starts < 0):
             raise ValueError(f"bad spares: --spares {spares}, --max-spare-starts {max_spare_starts}")
-        if max_restarts and nnodes > 1:
+        if self.capacity and not spares:
+            raise ValueError(f"node {node_rank} is a capacity node (--nnodes {nnodes}:{max_nodes}: nodes {nnodes} to "
+                             f"{max_nodes - 1} run only spares) and --spares 0 leaves it nothing to run")
+        if max_restarts and max_nodes > 1:
             raise ValueError("--max-restarts needs a single node (restarting several nodes is not supported)")
         self.cmd, self.nproc, self.nnodes, self.node_rank = cmd, nproc, nnodes, node_rank
+        self.max_nodes = max_nodes
         self.max_restarts, self.log_dir, self.extra_env = max_restarts, log_dir, dict(env or {})
         if rdzv_backend not in ("c10d", "etcd"):
             raise ValueError(f"--rdzv-backend {rdzv_backend!r}: c10d (node 0 hosts a TCPStore) or etcd")
@@ -141,11 +166,12 @@ class Launcher:
             self.store_spec = f"{self.host}:{self.port}"
         # The address this node's workers publish for TCP connections: the one it reaches the
         # store from (the host name's address can be another interface's, or loopback).
-        self.local_addr = _local_address(self.host) if nnodes > 1 else None
+        self.local_addr = _local_address(self.host) if max_nodes > 1 else None
         self.generation = 0
         self.spares, self.max_spare_starts, self.spare_starts = spares, max_spare_starts, 0
         self._next_spare = 0
         self._ending = False
+        self._events_seen = 0  # the agent's events the ending logic has looked at (capacity node)
         self.workers: list[Worker] = []
         self._sel = selectors.DefaultSelector()
         self.agent: NodeAgent | None = None
@@ -159,6 +185,7 @@ class Launcher:
 
     @property
     def world_size(self) -> int:
+        """The job's ranks: those of its initial nodes (a capacity node adds only spares)."""
         return self.nproc * self.nnodes
 
     def client(self) -> dist.Store:
@@ -166,14 +193,14 @@ class Launcher:
         return connect(self.store_spec, datetime.timedelta(seconds=60))
 
     def membership(self) -> Membership:
-        return Membership(self.store, self.namespace, self.nnodes)
+        return Membership(self.store, self.namespace, self.max_nodes)  # wakes every node the job may have
 
     def _env(self, rank: int, local_rank: int, spare: bool = False) -> dict[str, str]:
         env = dict(os.environ)
         env.update({
             "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(self.world_size),
             "LOCAL_WORLD_SIZE": str(self.nproc), "GROUP_RANK": str(self.node_rank),
-            "GROUP_WORLD_SIZE": str(self.nnodes), "ROLE_NAME": "default", "ROLE_RANK": str(rank),
+            "GROUP_WORLD_SIZE": str(self.max_nodes), "ROLE_NAME": "default", "ROLE_RANK": str(rank),
             "ROLE_WORLD_SIZE": str(self.world_size), "TORCHELASTIC_RESTART_COUNT": str(self.generation),
             "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts), "TORCHELASTIC_RUN_ID": self.run_id,
             ENV_STORE: self.store_spec, ENV_NAMESPACE: self.namespace, ENV_AGENT: self._agent().path,
@@ -191,20 +218,25 @@ class Launcher:
 
     def start(self) -> None:
         """Start this node's workers and spares (a new generation after a restart)."""
-        self.workers, self._next_spare, self._ending = [], 0, False
+        self.workers, self._next_spare, self._ending, self._events_seen = [], 0, False, 0
         if self.agent is not None:
             self.agent.stop()
-        self.agent = NodeAgent(self.membership(), self.node_rank, self.nnodes, nproc=self.nproc,
+        self.agent = NodeAgent(self.membership(), self.node_rank, self.max_nodes, nproc=self.nproc,
+                               present=range(self.nnodes),
                                register=lambda f, cb: self._sel.register(f, selectors.EVENT_READ, cb),
                                unregister=self._sel.unregister)
         self.agent.start()
-        for local_rank in range(self.nproc):
+        if self.capacity:
+            self.agent.announce()  # on the ring before any of its spares can be placed
+        workers = 0 if self.capacity else self.nproc
+        for local_rank in range(workers):
             self._spawn(self.node_rank * self.nproc + local_rank, local_rank)
         for j in range(self.spares):
-            self._start_spare(self.nproc + j)
-        log.info("started %d workers%s (generation %d, store %s:%d, namespace %s): %s", self.nproc,
-                 f" and {self.spares} spares" if self.spares else "", self.generation, self.host, self.port,
-                 self.namespace, " ".join(self.cmd))
+            self._start_spare(workers + j)  # the devices after the workers'
+        log.info("started %d workers%s%s (generation %d, store %s:%d, namespace %s): %s", workers,
+                 f" and {self.spares} spares" if self.spares else "",
+                 f" as capacity node {self.node_rank} (--nnodes {self.nnodes}:{self.max_nodes})" if self.capacity
+                 else "", self.generation, self.host, self.port, self.namespace, " ".join(self.cmd))
 
     def _spawn(self, rank: int, local_rank: int, spare: bool = False) -> Worker:
         out: IO[bytes] | None = None
@@ -221,8 +253,9 @@ class Launcher:
 
     def _start_spare(self, local_rank: int) -> None:
         """Start one spare with the next free id: world size and up, interleaved by node (node n
-        of N gives ids W + n, W + N + n, ...), so every node's agent starts spares of its own."""
-        spare_id = self.world_size + self._next_spare * self.nnodes + self.node_rank
+        of at most N gives ids W + n, W + N + n, ...), so every node's agent starts spares of its
+        own, a capacity node too."""
+        spare_id = self.world_size + self._next_spare * self.max_nodes + self.node_rank
         self._next_spare += 1
         self.spare_starts += 1
         w = self._spawn(spare_id, local_rank, spare=True)
@@ -257,8 +290,9 @@ class Launcher:
         while True:
             while any(w.status is None for w in self.workers):
                 self._serve()
-                if self._reaped:
-                    self._reaped = False
+                news = self.capacity and self._agent().events_read != self._events_seen
+                if self._reaped or news:
+                    self._reaped, self._events_seen = False, self._agent().events_read
                     self._stop_idle_spares()
             status = self._status()
             if status == 0 or self._shutting_down or self.generation >= self.max_restarts:
@@ -315,11 +349,13 @@ class Launcher:
             self._start_spare(w.local_rank)  # the pool stays full; it takes the freed device
 
     def _stop_idle_spares(self) -> None:
-        """Once every worker (and placed spare) has ended, the waiting spares are not needed."""
+        """Once every worker (and placed spare) has ended, the waiting spares are not needed. A
+        capacity node has no workers of its own: its spares wait until the job is over."""
         if self._ending or not any(w.spare for w in self.workers):
             return
         waiting = self._waiting_spares()
-        if all(w.status is not None for w in self.workers if w not in waiting):
+        if all(w.status is not None for w in self.workers if w not in waiting) and (
+                not self.capacity or self._job_over()):
             self._ending = True
             for w in waiting:
                 if w.status is None:
@@ -327,6 +363,20 @@ class Launcher:
                         signal.pidfd_send_signal(w.pidfd, signal.SIGTERM)
                     except (ProcessLookupError, OSError):
                         pass  # ended meanwhile; the selector reports it
+
+    def _job_over(self) -> bool:
+        """Whether the job has ended -- every member finished, or a decision failed it -- or
+        can go on no more: every member of the newest decision is gone (nobody is left to
+        decide, so no spare can be placed)."""
+        m = self.membership()
+        try:
+            if m.finished():
+                return True
+            d = self._last_decision()  # None: not started yet
+            return d is not None and (d.mode == "fail" or len(m.gone(d.members)) == len(d.members))
+        except dist.DistError as e:  # (a TCPStore lost for good: the agent tells the spares)
+            log.error("could not read the membership: the store failed (%s)", e)
+            return False
 
     def _status(self) -> int:
         """The status of this node's workers that belong to the last membership decision."""
@@ -336,8 +386,9 @@ class Launcher:
         return next((w.status for w in judged if w.status), 0) or 0
 
     def _node_done(self) -> None:
-        """Node 0 hosts the store: it waits for every other node's workers (or the loss of
-        that node, which its agent goes on watching for) before leaving."""
+        """Node 0 hosts the store: it waits for every other node on the ring -- initial, or a
+        capacity node that announced itself -- to end (or for its loss, which its agent goes on
+        watching for) before leaving."""
         key = f"rc/{self.run_id}/node-done/"
         agent = self._agent()
         agent.finish()
@@ -350,11 +401,8 @@ class Launcher:
             return
         if self.node_rank != 0:
             return
-        pending = set(range(1, self.nnodes))
-        while pending:
-            pending = {n for n in pending if n not in agent.gone_nodes and not self.store.check([key + str(n)])}
-            if pending:
-                self._serve()
+        while any(not self.store.check([key + str(n)]) for n in agent.ring() - {0}):
+            self._serve()  # the ring is read again each turn: a node may announce itself meanwhile
 
     def forward(self, sig: int) -> None:
         """Pass a signal to every live worker; the second signal is SIGKILL."""
@@ -376,11 +424,18 @@ def _local_address(host: str) -> str:
         return str(s.getsockname()[0])
 
 
-def _parse_nnodes(text: str) -> int:
-    lo, _, hi = text.partition(":")
-    if hi and int(hi) != int(lo):
-        raise argparse.ArgumentTypeError(f"--nnodes {text}: elastic node ranges are not supported (use N or N:N)")
-    return int(lo)
+def _parse_nnodes(text: str) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` -> (MIN, MAX)."""
+    lo, sep, hi = text.partition(":")
+    try:
+        least, most = int(lo), int(hi if sep else lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or MIN:MAX (whole numbers of nodes)") from None
+    if least < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a job needs at least 1 node (MIN >= 1)")
+    if least > most:
+        raise argparse.ArgumentTypeError(f"{text!r}: MIN {least} is more than MAX {most}")
+    return least, most
 
 
 def parser() -> argparse.ArgumentParser:
@@ -388,7 +443,8 @@ def parser() -> argparse.ArgumentParser:
                                 description="A torchrun-compatible launcher: hosts the job's store, reports a "
                                             "worker's exit at once, never kills the survivors.")
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, help="workers per node")
-    p.add_argument("--nnodes", type=_parse_nnodes, default=1, help="number of nodes: N or N:N")
+    p.add_argument("--nnodes", type=_parse_nnodes, default=(1, 1), metavar="N|MIN:MAX",
+                   help="nodes: N, or MIN:MAX (nodes MIN to MAX-1 join, at any time, as spare capacity)")
     p.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's rank")
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="", help="host:port of the store (node 0 hosts it)")
     p.add_argument("--rdzv-backend", "--rdzv_backend", default="c10d", choices=("c10d", "etcd", "static"),
@@ -402,7 +458,8 @@ def parser() -> argparse.ArgumentParser:
                    help="whole-group restarts when no worker survives to recover (default 0)")
     p.add_argument("--monitor-interval", "--monitor_interval", type=float, default=None,
                    help="accepted for torchrun compatibility; exits are seen at once (pidfd), not polled")
-    p.add_argument("--spares", type=int, default=0, help="hot spares this node keeps waiting (default 0)")
+    p.add_argument("--spares", type=int, default=None,
+                   help="hot spares this node keeps waiting (default 0; on a capacity node --nproc-per-node)")
     p.add_argument("--max-spare-starts", "--max_spare_starts", type=int, default=None, metavar="N",
                    help="spares started to refill the pool after failures, in all (default unlimited)")
     p.add_argument("--log-dir", "--log_dir", default=None, help="write each worker's output to DIR/GEN/RANK.log")
@@ -414,7 +471,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parser().parse_args(argv)
+    p = parser()
+    a = p.parse_args(argv)
+    least, most = a.nnodes
     logging.basicConfig(level=logging.INFO, format="[resilient-run] %(message)s", stream=sys.stderr)
     if a.rdzv_endpoint:
         endpoint = a.rdzv_endpoint
@@ -422,8 +481,9 @@ def main(argv: list[str] | None = None) -> int:
         endpoint = f"{a.master_addr or '127.0.0.1'}:{a.master_port or 0}"
     else:
         endpoint = "127.0.0.1:0"
-    if a.nnodes > 1 and endpoint.endswith(":0"):
-        print("resilient-run: --nnodes > 1 needs --rdzv-endpoint host:port", file=sys.stderr)
+    if most > 1 and endpoint.endswith(":0"):
+        print("resilient-run: more than one node (--nnodes N or MIN:MAX) needs --rdzv-endpoint host:port",
+              file=sys.stderr)
         return 2
     if a.rdzv_backend == "etcd" and not a.rdzv_endpoint:
         print("resilient-run: --rdzv-backend etcd needs --rdzv-endpoint host:port[,host:port...]", file=sys.stderr)
@@ -434,10 +494,13 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-u", "-m", a.script, *a.script_args]
     else:
         cmd = [sys.executable, "-u", a.script, *a.script_args]
-    launcher = Launcher(cmd, a.nproc_per_node, nnodes=a.nnodes, node_rank=a.node_rank, endpoint=endpoint,
-                        max_restarts=a.max_restarts, run_id=a.rdzv_id, log_dir=a.log_dir, spares=a.spares,
-                        max_spare_starts=a.max_spare_starts,
-                        rdzv_backend="etcd" if a.rdzv_backend == "etcd" else "c10d")
+    try:
+        launcher = Launcher(cmd, a.nproc_per_node, nnodes=least, max_nodes=most, node_rank=a.node_rank,
+                            endpoint=endpoint, max_restarts=a.max_restarts, run_id=a.rdzv_id, log_dir=a.log_dir,
+                            spares=a.spares, max_spare_starts=a.max_spare_starts,
+                            rdzv_backend="etcd" if a.rdzv_backend == "etcd" else "c10d")
+    except ValueError as e:  # a bad layout (nodes, ranks, spares) or endpoint: a usage error
+        p.error(str(e))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, _f: launcher.forward(s))
     status = launcher.run()

@@ -11,8 +11,10 @@ launcher generation)::
     {ns}/e/{E}/join/{rank}      rank's join record for epoch E
     {ns}/e/{E}/world/           store prefix of epoch E's world group when it is built afresh
     {ns}/gone/{rank}            the first evidence that rank is gone (exit or suspicion), by CAS
-    {ns}/events/{i}             the i-th event (ranks gone, a decision, the end), slot claimed by CAS
-    {ns}/wake/node/{n}          a queue: one item per event, so node n's agent can block on it
+    {ns}/events/{i}             the i-th event (ranks gone, a decision, the end, a node joining the
+                                ring), slot claimed by CAS
+    {ns}/wake/node/{n}          a queue: one item per event, so node n's agent can block on it (n up
+                                to the most nodes the job may have, ``--nnodes MIN:MAX``'s MAX)
     {ns}/node/{n}               node n's liveness record (its agent's heartbeat: agent.py)
     {ns}/done/{rank}            rank finished training at this committed step
     {ns}/spare/n, {ns}/spare/{i}  hot spares waiting warm: a counter, and the i-th one's id
@@ -44,12 +46,40 @@ from __future__ import annotations
 import datetime
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch.distributed as dist
 
 from resilient_comm.elastic.policy import Mesh
+
+_NO_RECORD = "\x00none"  # never a node record (those are JSON objects)
+
+
+_RANK_LISTS = ("members", "lost", "evicted", "joiners", "used_spares", "slots")
+
+
+def _runs(xs: list[int]) -> str:
+    """Consecutive ascending ranks as "a-b": [0, 1, 2, 7, 4, 5] -> "0-2,7,4-5"."""
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _unruns(text: str) -> list[int]:
+    out: list[int] = []
+    for part in filter(None, text.split(",")):
+        a, _, b = part.partition("-")
+        lo, hi = int(a), int(b or a)
+        if hi < lo or hi - lo > 10_000_000:
+            raise ValueError(f"bad rank run {part!r}")
+        out.extend(range(lo, hi + 1))
+    return out
 
 
 def _dumps(obj: Any) -> str:
@@ -82,11 +112,20 @@ class Decision:
         return Mesh(**self.mesh)
 
     def to_json(self) -> str:
-        return _dumps(self)
+        """Rank lists as runs ("0-6143,16384,6145-16383"): at 16K ranks a decision is a few
+        hundred bytes, not 100 KB, and every node's agent reads it."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}  # (asdict deep-copies 16K-rank lists)
+        for f in _RANK_LISTS:
+            d[f] = _runs(d[f])
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Decision:
-        return cls(**json.loads(text))
+        d = json.loads(text)
+        for f in _RANK_LISTS:
+            if isinstance(d.get(f), str):
+                d[f] = _unruns(d[f])
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -134,7 +173,7 @@ class Membership:
     def __init__(self, store: dist.Store, namespace: str, nodes: int = 1) -> None:
         self.store = store
         self.ns = namespace.rstrip("/")
-        self.nodes = nodes  # agents to wake on an event
+        self.nodes = nodes  # agents to wake on an event: every node the job may have
 
     def clone(self, timeout: datetime.timedelta | None = None) -> Membership:
         """The same keys through a new connection (for another thread)."""
@@ -172,17 +211,29 @@ class Membership:
     def join(self, epoch: int, record: JoinRecord) -> None:
         self.store.set(self.key("e", epoch, "join", record.rank), record.to_json())
 
-    def complete(self, epoch: int, base: list[int], live: list[int]) -> tuple[dict[int, JoinRecord], dict[int, Gone]] | None:
+    def complete(self, epoch: int, base: list[int], live: list[int],
+                 wait_s: float = 0.0) -> tuple[dict[int, JoinRecord], dict[int, Gone]] | None:
         """What the decider of `epoch` needs once every `live` member of `base` has joined:
-        their join records and the evidence on the others; None until then. Until then it
-        costs one call per poll, whatever the number of members."""
-        if not self.store.check([self.key("e", epoch, "join", r) for r in live]):
+        their join records and the evidence on the others; None until then. Until then one
+        call, whatever the number of members: on a TCPStore a wait of up to `wait_s` that the
+        store answers when the last record lands (no polling: at 16K members a poll sends
+        400 KB of keys), on etcd a check (the caller paces its polls)."""
+        keys = [self.key("e", epoch, "join", r) for r in live]
+        if wait_s > 0 and not self.watches:
+            try:
+                self.store.wait(keys, datetime.timedelta(seconds=wait_s))
+            except dist.DistStoreError:
+                return None  # not all yet: the caller looks at who is live again
+        elif not self.store.check(keys):
             return None
-        return self.joined(epoch, live), self.gone([r for r in base if r not in live])
+        alive = set(live)
+        return self.joined(epoch, live), self.gone([r for r in base if r not in alive])
 
     def joined(self, epoch: int, ranks: list[int]) -> dict[int, JoinRecord]:
-        return {r: JoinRecord.from_json(v) for r, v in self._present([self.key("e", epoch, "join", r) for r in ranks],
-                                                                     ranks).items()}
+        got = self._present([self.key("e", epoch, "join", r) for r in ranks], ranks)
+        # One parse for all (at 16K members, one per record costs the decider ~0.3 s).
+        records = json.loads(b"[" + b",".join(got.values()) + b"]")
+        return {r: JoinRecord(**d) for r, d in zip(got, records)}
 
     def world_store(self, epoch: int) -> dist.Store:
         """Where epoch `epoch`'s world group meets when it is built afresh."""
@@ -202,10 +253,11 @@ class Membership:
         for g in gones:
             mine = g.to_json()
             if self.store.compare_set(self.key("gone", g.rank), "", mine).decode() == mine:
-                first.append(g.rank)
-        if first:
-            self.post_event({"kind": "gone", "ranks": first, **({"node": node} if node is not None else {})})
-        return first
+                first.append(g)
+        if first:  # the evidence goes with the event: no agent reads it back
+            self.post_event({"kind": "gone", "ranks": [g.rank for g in first], "gone": [asdict(g) for g in first],
+                             **({"node": node} if node is not None else {})})
+        return [g.rank for g in first]
 
     def gone(self, ranks: list[int]) -> dict[int, Gone]:
         return {r: Gone.from_json(v) for r, v in self._present([self.key("gone", r) for r in ranks], ranks).items()}
@@ -243,11 +295,16 @@ class Membership:
     def node_beat(self, node: int, record: str) -> None:
         self.store.set(self.key("node", node), record)
 
-    def node_record(self, node: int, present: bool = False) -> str | None:
-        """Node's record, or None if it never wrote one. `present`: it is known to exist (a
-        record is overwritten, never deleted), so one get does."""
-        k = self.key("node", node)
-        return self.store.get(k).decode() if present or self.store.check([k]) else None
+    def node_record(self, node: int) -> str | None:
+        """Node's record, or None if it has none. On a TCPStore one round trip: a compare_set
+        expecting a value no record holds returns the record, or that value when there is none
+        (its get is two: a wait, then the get). Only for keys nobody waits on: c10d's
+        compare_set wakes a key's waiters even when it sets nothing. On etcd a check, then the get."""
+        key = self.key("node", node)
+        if not self.watches:
+            v = self.store.compare_set(key, _NO_RECORD, _NO_RECORD)
+            return None if v == _NO_RECORD.encode() else v.decode()
+        return self.store.get(key).decode() if self.store.check([key]) else None
 
     def register_spare(self, spare_id: int) -> None:
         i = self.store.add(self.key("spare", "n"), 1) - 1
@@ -259,6 +316,10 @@ class Membership:
         n = self.store.add(k, 0) if self.store.check([k]) else 0
         keys = [self.key("spare", i) for i in range(n)]
         return [int(v) for v in self._present(keys, list(range(n))).values()]
+
+    def announce_node(self, node: int) -> None:
+        """A capacity node (``--nnodes MIN:MAX``, MIN <= node < MAX) joins the agents' ring."""
+        self.post_event({"kind": "node", "node": node})
 
     def set_finished(self) -> None:
         self.store.set(self.key("finished"), "1")

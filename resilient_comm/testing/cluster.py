@@ -27,6 +27,33 @@ NET = 77  # 10.77.<tag>.0/24
 _made = 0  # clusters made by this process (each gets its own tag)
 
 
+def etcd_command(i: int, members: dict[int, tuple[str, int, int]], workdir: str, token: str) -> list[str]:
+    """Member i of a new etcd cluster of `members` (id -> address, client port, peer port)."""
+    a, client, peer = members[i]
+    cluster = ",".join(f"e{j}=http://{h}:{pp}" for j, (h, _, pp) in members.items())
+    return ["etcd", "--name", f"e{i}", "--data-dir", os.path.join(workdir, f"etcd{i}"),
+            "--listen-client-urls", f"http://{a}:{client}", "--advertise-client-urls", f"http://{a}:{client}",
+            "--listen-peer-urls", f"http://{a}:{peer}", "--initial-advertise-peer-urls", f"http://{a}:{peer}",
+            "--initial-cluster", cluster, "--initial-cluster-token", token, "--initial-cluster-state", "new",
+            "--heartbeat-interval", "100", "--election-timeout", "1000"]
+
+
+def wait_etcd(endpoints: str, timeout_s: float) -> None:
+    """Until the cluster at `endpoints` answers a write (a quorum formed)."""
+    from resilient_comm.elastic.etcd import EtcdStore
+
+    store = EtcdStore(endpoints, datetime.timedelta(seconds=timeout_s))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            store.set("rc/probe", "1")
+            return
+        except Exception as e:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the etcd cluster did not form within {timeout_s:g} s: {e}") from e
+            time.sleep(0.2)  # polling a cluster that is starting
+
+
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
@@ -97,34 +124,16 @@ class NetnsCluster:
             _ip("-n", self.ns(i), "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
             _ip("-n", self.ns(i), "link", "set", "eth0", "up")
             _ip("-n", self.ns(i), "link", "set", "lo", "up")
-        cluster = ",".join(f"e{i}=http://{self.addr(i)}:2380" for i in self.etcd_on)
+        members = {i: (self.addr(i), 2379, 2380) for i in self.etcd_on}
         for i in self.etcd_on:
             log = open(os.path.join(self.workdir, f"etcd{i}.log"), "wb")  # noqa: SIM115
             self._logs.append(log)
-            a = self.addr(i)
-            self.etcd[i] = self.run(i, [
-                "etcd", "--name", f"e{i}", "--data-dir", os.path.join(self.workdir, f"etcd{i}"),
-                "--listen-client-urls", f"http://{a}:2379", "--advertise-client-urls", f"http://{a}:2379",
-                "--listen-peer-urls", f"http://{a}:2380", "--initial-advertise-peer-urls", f"http://{a}:2380",
-                "--initial-cluster", cluster, "--initial-cluster-token", f"rc{self.tag}",
-                "--initial-cluster-state", "new", "--heartbeat-interval", "100", "--election-timeout", "1000",
-            ], stdout=log, stderr=subprocess.STDOUT)
+            self.etcd[i] = self.run(i, etcd_command(i, members, self.workdir, f"rc{self.tag}"),
+                                    stdout=log, stderr=subprocess.STDOUT)
         self.wait_etcd(etcd_timeout_s)
 
     def wait_etcd(self, timeout_s: float) -> None:
-        """Until the cluster answers a write (a quorum formed)."""
-        from resilient_comm.elastic.etcd import EtcdStore
-
-        store = EtcdStore(self.endpoints(), datetime.timedelta(seconds=timeout_s))
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                store.set("rc/probe", "1")
-                return
-            except Exception as e:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the etcd cluster did not form within {timeout_s:g} s: {e}") from e
-                time.sleep(0.2)  # polling a cluster that is starting
+        wait_etcd(self.endpoints(), timeout_s)
 
     def close(self) -> None:
         for p in self.etcd.values():
