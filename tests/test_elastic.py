@@ -166,8 +166,10 @@ def test_sigstop_shorter_than_the_slow_bound_evicts_nobody(tmp_path: Any) -> Non
     victim, hold = 1, 0.3  # the silence bound is at least 1 s (DetectorConfig.silence_floor_s)
     job = ToyJob(WORLD, ["--steps", str(STEPS), "--mark", f"{victim}:15"], str(tmp_path)).start()
     _stop_at(job, victim, 15)
-    time.sleep(hold)  # hold the fault
-    os.kill(job.pid(victim), signal.SIGCONT)
+    try:
+        time.sleep(hold)  # hold the fault
+    finally:
+        os.kill(job.pid(victim), signal.SIGCONT)
     assert job.wait(100) == 0
     m = Membership(job.launcher.client(), job.launcher.namespace)
     assert m.epoch() == 0, f"a stop of {hold} s started a recovery: {m.decision(m.epoch())}"
@@ -180,16 +182,18 @@ def test_sigstop_past_the_slow_bound_evicts_the_stopped_worker(tmp_path: Any) ->
     victim = 2
     job = ToyJob(WORLD, ["--steps", str(STEPS), "--mark", f"{victim}:12"], str(tmp_path)).start()
     stopped = _stop_at(job, victim, 12)
-    m = Membership(job.launcher.client(), job.launcher.namespace)
-    m.store.wait([m.key("e", 1, "decision")], datetime.timedelta(seconds=20))
-    evicted_after = time.monotonic() - stopped
-    d = m.decision(1)
-    assert isinstance(d, Decision) and d.lost == [victim] and d.members == [0, 1, 3], d
-    g = m.gone([victim])[victim]
-    assert g.kind == "suspect" and "heartbeat silent for" in g.detail, g
-    # Silence counts from the last beat seen, which precedes the stop by up to one interval.
-    assert 0.9 <= evicted_after < 5.0, f"evicted {evicted_after:.2f} s after the stop (bound: 1 s floor)"
-    os.kill(job.pid(victim), signal.SIGCONT)  # it wakes up, finds itself evicted and leaves
+    try:
+        m = Membership(job.launcher.client(), job.launcher.namespace)
+        m.store.wait([m.key("e", 1, "decision")], datetime.timedelta(seconds=20))
+        evicted_after = time.monotonic() - stopped
+        d = m.decision(1)
+        assert isinstance(d, Decision) and d.lost == [victim] and d.members == [0, 1, 3], d
+        g = m.gone([victim])[victim]
+        assert g.kind == "suspect" and "heartbeat silent for" in g.detail, g
+        # Silence counts from the last beat seen, which precedes the stop by up to one interval.
+        assert 0.9 <= evicted_after < 5.0, f"evicted {evicted_after:.2f} s after the stop (bound: 1 s floor)"
+    finally:
+        os.kill(job.pid(victim), signal.SIGCONT)  # it wakes up, finds itself evicted and leaves
     assert job.wait(100) == 0
     assert job.launcher.workers[victim].status == EXIT_EVICTED
     evicted = [e for e in job.events() if e["event"] == "evicted"]

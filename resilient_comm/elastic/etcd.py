@@ -118,6 +118,10 @@ class EtcdStore(dist.Store):
                         exceptions.InternalServerError) as e:
                     errors.append(f"{self.endpoints[k][0]}:{self.endpoints[k][1]}: {type(e).__name__}")
                     continue
+                except exceptions.WatchTimedOut:
+                    raise  # a watch's slice ended: the caller's loop
+                except exceptions.Etcd3Exception as e:  # an answer, and a refusal (an expired lease, ...)
+                    raise dist.DistStoreError(f"etcd refused {what}: {type(e).__name__}: {e}") from e
                 self._current = k
                 return out
             if time.monotonic() + pause > deadline:

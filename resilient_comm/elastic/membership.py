@@ -47,7 +47,7 @@ import datetime
 import json
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 
@@ -299,12 +299,15 @@ class Membership:
         """Node's record, or None if it has none. On a TCPStore one round trip: a compare_set
         expecting a value no record holds returns the record, or that value when there is none
         (its get is two: a wait, then the get). Only for keys nobody waits on: c10d's
-        compare_set wakes a key's waiters even when it sets nothing. On etcd a check, then the get."""
+        compare_set wakes a key's waiters even when it sets nothing. On etcd one range, which
+        never waits: a leased record can vanish between a check and a get, whose wait would
+        then block the lease thread past its lease (and fence a healthy node)."""
         key = self.key("node", node)
         if not self.watches:
             v = self.store.compare_set(key, _NO_RECORD, _NO_RECORD)
             return None if v == _NO_RECORD.encode() else v.decode()
-        return self.store.get(key).decode() if self.store.check([key]) else None
+        value, _ = cast(Any, self.store).value(key)
+        return None if value is None else bytes(value).decode()
 
     def register_spare(self, spare_id: int) -> None:
         i = self.store.add(self.key("spare", "n"), 1) - 1
