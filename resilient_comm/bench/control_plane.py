@@ -225,7 +225,7 @@ def _decider(spec: str, nnodes: int, conn: Any) -> None:
     of the ranks gone and of each epoch to decide, it polls the joins and publishes."""
 
     from resilient_comm.elastic.decision import decide
-    from resilient_comm.elastic.membership import Membership, connect
+    from resilient_comm.elastic.membership import Membership, connect, join_poll_cap_s
 
     m = Membership(connect(spec, datetime.timedelta(seconds=120)), KEY, nnodes)
     known: set[int] = set()
@@ -252,7 +252,7 @@ def _decider(spec: str, nnodes: int, conn: Any) -> None:
                     {"published": time.time(), "joined": max(j.t for j in complete[0].values()), "seen": seen}))
                 break
             if m.watches:
-                time.sleep(max(0.002, 2e-6 * len(base.members)))  # etcd: paced as the controller's decider
+                time.sleep(join_poll_cap_s(len(base.members)))  # etcd: paced as the controller's decider
 
 
 def _baseline(spec: str, ranks: list[int], world: int, seconds: float, conn: Any) -> None:

@@ -86,7 +86,15 @@ from resilient_comm.api import _backend
 from resilient_comm.elastic.agent import ENV_AGENT
 from resilient_comm.elastic.decision import decide
 from resilient_comm.elastic.detector import Detector, DetectorConfig
-from resilient_comm.elastic.membership import Decision, Gone, JoinRecord, Membership, connect, now
+from resilient_comm.elastic.membership import (
+    Decision,
+    Gone,
+    JoinRecord,
+    Membership,
+    connect,
+    join_poll_cap_s,
+    now,
+)
 from resilient_comm.elastic.policy import DIMS, Mesh
 from resilient_comm.elastic.state import Place, StateFactory, Stateful, TrainState
 from resilient_comm.elastic.statesync import recv_state, send_state
@@ -593,7 +601,7 @@ class Controller:
         """The decider (the lowest live member of `base`) polls the join records and publishes;
         the others wait for the agent's news (the decision's event, or a death that may make
         them the decider)."""
-        pace = _Pacer(cap_s=max(0.005, 2e-6 * len(base.members)))  # etcd: a poll checks every member's key
+        pace = _Pacer(cap_s=join_poll_cap_s(len(base.members)))
         while True:
             news = self._detector.news()
             self._check_fatal()
