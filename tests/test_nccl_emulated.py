@@ -111,8 +111,11 @@ def test_sigkill_mid_loop_every_survivor_errors_fast_and_shrinks(case: str) -> N
         assert v["shrink_s"] < 5.0, f"rank {r.rank}: shrink + first all_reduce took {v['shrink_s']:.2f} s"
 
 
+_OVERLAP_KERNEL_S = 0.02
+
+
 def _overlap(ctx: WorkerContext) -> dict:
-    _emulate(RESILIENT_COMM_NCCL_EMULATE_KERNEL_US="5000")
+    _emulate(RESILIENT_COMM_NCCL_EMULATE_KERNEL_US=str(int(_OVERLAP_KERNEL_S * 1e6)))
     ctx.init("resilient_nccl", timeout_s=30)
     dist.all_reduce(torch.ones(4))  # connections up
     calls, in_flight, ok = [], [], True
@@ -125,8 +128,8 @@ def _overlap(ctx: WorkerContext) -> dict:
             t0 = time.perf_counter()
             works.append(dist.all_reduce(t, async_op=True))
             calls.append(time.perf_counter() - t0)
-        issued = time.perf_counter() - t_all
-        in_flight.append((sum(not w.is_completed() for w in works), issued))
+        pending = sum(not w.is_completed() for w in works)
+        in_flight.append((pending, time.perf_counter() - t_all))
         for w in works:
             w.wait()
         ok = ok and all(float(t[0]) == sum(range(1, ctx.world_size + 1)) for t in ts)
@@ -140,8 +143,11 @@ def test_async_ops_return_at_once_and_run_in_flight_together() -> None:
         assert r.ok, r.error
         v = r.value
         assert v["ok"], "wrong results"
-        # Every round: right after the 8 calls, none had completed (each kernel takes 5 ms).
-        assert all(n == 8 for n, _ in v["in_flight"]), v["in_flight"]
+        # The 8 kernels run one after another on the stream, 20 ms each: by the time the calls
+        # were made and checked, at most one kernel per 20 ms elapsed can have completed (a
+        # preempted round may see some done; a call that waited would show in the median).
+        assert all(n >= 8 - int(t / _OVERLAP_KERNEL_S) for n, t in v["in_flight"]), v["in_flight"]
+        assert sum(n == 8 for n, _ in v["in_flight"]) >= 3, v["in_flight"]
         # The target is <= 100 us on an idle machine (benchmarks/README.md); the bound here is a
         # kernel's time, which a host wait inside the call could not meet.
         assert v["median_call_us"] < 1000, f"median async all_reduce call {v['median_call_us']:.0f} us"
