@@ -7,6 +7,7 @@ import datetime
 import json
 import threading
 from dataclasses import asdict
+from typing import Any, cast
 
 import pytest
 import torch
@@ -147,6 +148,46 @@ def test_a_decision_at_16k_ranks_is_small_and_a_malformed_run_is_refused() -> No
     for bad in ("5-3", "0-99999999", "a-b", "-1"):
         with pytest.raises(ValueError):
             Decision.from_json(text.replace("0-99,16384", bad + ",16384"))
+
+
+class _KeysPerCall:
+    """A store that records how many keys each many-key call carries."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self._s, self.sizes = store, []
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._s, name)
+        if name not in ("wait", "check", "multi_get"):
+            return fn
+
+        def call(keys: list[str], *a: Any) -> Any:
+            self.sizes.append(len(keys))
+            return fn(keys, *a)
+
+        return call
+
+
+def test_the_decider_reads_16k_join_records_in_chunks(store: dist.TCPStore) -> None:
+    """c10d's TCPStore serves one call of N keys in time superlinear in N (16,384 keys: a wait
+    127 ms idle, more than the decider's 100 ms slice, so under load it kept timing out with
+    every record there; multi_get 347 ms): the decider's reads go 512 keys a call. All records
+    are returned, and a live rank's missing record still makes it wait."""
+    n = 16384
+    m = Membership(cast(Any, _KeysPerCall(store)), "rc/u")
+    keys = [m.key("e", 1, "join", r) for r in range(n)]
+    records = [JoinRecord(r, 0, True, 10, None, 1.0).to_json() for r in range(n)]
+    for i in range(0, n, 1024):
+        store.multi_set(keys[i:i + 1024], records[i:i + 1024])
+    m.report_gone(Gone(n, "exit", "killed", 1.0, "launcher"))
+    base, live = list(range(n + 1)), list(range(n))  # rank 16384 is gone
+    got = m.complete(1, base, live, wait_s=0.1)
+    assert got is not None, "the decider's wait timed out with every record there"
+    joined, gone = got
+    assert len(joined) == n and joined[12345] == JoinRecord(12345, 0, True, 10, None, 1.0) and list(gone) == [n]
+    assert max(m.store.sizes) <= 512, f"a call of {max(m.store.sizes)} keys"
+    assert m.complete(1, base, [*live, n], wait_s=0.1) is None, "a live rank's missing record must be waited for"
+    assert m.complete(1, base, [*live, n]) is None
 
 
 def _peer(**kw: float | str) -> PeerView:

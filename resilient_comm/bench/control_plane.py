@@ -244,6 +244,10 @@ def _decider(spec: str, nnodes: int, conn: Any) -> None:
                 known |= set(more[1])
             live = [r for r in base.members if r not in known]
             complete = m.complete(epoch, base.members, live, wait_s=0.1)  # as the controller's decider reads
+            if complete is None and os.environ.get("RC_BENCH_DEBUG"):
+                have = m.joined(epoch, live)
+                print("  decider: missing joins", sorted({r // 8 for r in live if r not in have})[:20],
+                      len(live) - len(have), flush=True)
             if complete is not None:
                 seen = time.time()
                 d = m.decide(decide(epoch, base, *complete, m.done(base.members), [], lambda n: None, live[0]))
