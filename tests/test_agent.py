@@ -256,3 +256,63 @@ def test_a_node_that_is_not_present_is_never_watched_and_the_ring_goes_round_it(
     events = [{k: v for k, v in e.items() if k != "gone"} for i in range(4) if (e := m.event(i)) is not None]
     assert events == [{"kind": "node", "node": 3}, {"kind": "gone", "node": 3, "ranks": spares3}], events
     assert agents[1].successor() == 0 and agents[1].ring() == {0, 1}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def etcd(tmp_path: Any) -> Any:
+    """A one-member etcd on loopback (Debian's etcd-server); its endpoint."""
+    import shutil
+
+    from resilient_comm.testing.cluster import etcd_command, wait_etcd
+
+    if shutil.which("etcd") is None:
+        pytest.skip("needs the etcd binary (Debian: apt install etcd-server)")
+    client, peer = _free_port(), _free_port()
+    proc = subprocess.Popen(etcd_command(0, {0: ("127.0.0.1", client, peer)}, str(tmp_path), "rc-agent-test"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_etcd(f"127.0.0.1:{client}", 30)
+        yield f"127.0.0.1:{client}"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_slow_record_write_never_holds_up_the_lease_keepalive(etcd: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """During an etcd election a record's put can take seconds. The keepalive must not wait
+    behind it: with a 2 s lease and every put after the first taking 3 s, the node stays
+    unfenced and its lease (and so its record) alive. (With the keepalive on the record's
+    thread, the agent fenced itself after 1.7 s.)"""
+    from resilient_comm.elastic.etcd import EtcdStore
+
+    put = EtcdStore.put_with_lease
+    calls = [0]
+
+    def slow_put(self: EtcdStore, key: str, value: str, lease: int) -> None:
+        calls[0] += 1
+        put(self, key, value, lease)
+        if calls[0] > 1:
+            time.sleep(3.0)  # the record thread stuck in a store call (the thing simulated)
+
+    monkeypatch.setattr(EtcdStore, "put_with_lease", slow_put)
+    store = EtcdStore(etcd, datetime.timedelta(seconds=10))
+    m = Membership(store, "rc/k", 1)
+    a = NodeAgent(m, 0, 1, nproc=1, config=CFG, lease_s=2.0)
+    a.add(0, 0)
+    a.hello(0, CFG)
+    try:
+        a.start()
+        _drive([a], lambda s, p: f"{s} 4 compute 1.0 10.0 0.1", lambda: calls[0] >= 2, 10)
+        t0 = time.monotonic()
+        _drive([a], lambda s, p: f"{s} 4 compute 1.0 10.0 0.1", lambda: time.monotonic() - t0 > 4.0, 10)
+        assert a.fenced is None, a.fenced
+        assert m.node_record(0) is not None, "the lease expired: the record is gone"
+    finally:
+        a.stop()

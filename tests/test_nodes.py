@@ -114,11 +114,13 @@ def job(tmp_path: Any, request: pytest.FixtureRequest) -> Any:
             j.close()
 
 
-# The partition test's lease. With the default 5 s, cutting off the node whose etcd member leads
-# the cluster fenced the healthy nodes too on this loaded 2-core machine: the followers notice
-# the lost leader after the 1 s election timeout and elect another in 1-2 s more, and an agent's
-# last answered keepalive can be one keepalive period (lease / 3) older than the cut, so the
-# 4.5 s fence bound passed before the new leader answered (docs/elastic.md, "Fencing").
+# The partition test cuts off the etcd leader's node, on purpose (`NetnsCluster.lead`): the
+# followers notice the lost leader after the 1 s election timeout and elect another in 1-2 s
+# more, while every healthy agent's keepalives go unanswered. It runs with an 8 s lease: with
+# the default 5 s it passed here (node fenced 5.3-5.4 s after the cut, bound 6 s), but in loaded
+# full suites the healthy nodes were fenced too while the keepalive went every third of the
+# lease behind the record's put (now every sixth on a thread of its own: test_agent's
+# slow-record test), and the 6 s bound has little slack on this machine (docs/elastic.md, "Fencing").
 PARTITION_LEASE_S = 8.0
 
 
@@ -190,6 +192,7 @@ def test_a_whole_node_sigkill_is_seen_through_its_lease_and_the_job_goes_on(job:
 def test_a_partitioned_node_is_fenced_within_its_lease_and_the_majority_goes_on(partition_job: Job) -> None:
     job = partition_job
     job.held()
+    job.c.lead(1)  # the worst case: the member cut off leads the cluster
     job.c.partition(1)  # node 1 runs ranks 2, 3 and etcd member e1: both cut off
     cut = time.time()
     job.go()

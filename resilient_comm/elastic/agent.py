@@ -594,19 +594,22 @@ class NodeAgent:
                         f"lease is {self.lease_s:g} s): its workers stop so that the others can go on without them")
 
     def _lease_loop(self) -> None:
-        """etcd: keep the node's lease alive, rewrite its record with it, watch the successor."""
+        """etcd: grant the node's lease, rewrite its record with it, watch the successor; the
+        keepalives have a thread of their own (`_keepalive_loop`)."""
         m = self.m.clone(timeout=datetime.timedelta(seconds=self.lease_s))
         store: Any = m.store
         period = self.lease_s / 3
         lease = None
+        keeper: threading.Thread | None = None
         while not self._stop.is_set():
             t0 = time.monotonic()
             try:
                 if lease is None:
                     lease = store.grant(int(self.lease_s))
-                elif store.keepalive(lease) <= 0:
-                    self._fence(f"node {self.node}'s lease expired before the store heard from it again")
-                self._last_ok = t0
+                    self._last_ok = store.answered_sent_at
+                    keeper = threading.Thread(target=self._keepalive_loop, args=(lease,), name="rc-agent-keepalive",
+                                              daemon=True)
+                    keeper.start()
                 if self._finished:
                     store.set(m.key("node", self.node), json.dumps({"seq": self._seq + 1, "procs": {}, "done": True}))
                 else:
@@ -616,6 +619,27 @@ class NodeAgent:
                 self._watch_successor(m, observers, time.monotonic())
             except dist.DistError as e:
                 log.warning("node %d: no store majority for %.1f s (%s)", self.node, time.monotonic() - self._last_ok, e)
+            self._stop.wait(max(0.0, period - (time.monotonic() - t0)))
+        if keeper is not None:
+            keeper.join()
+
+    def _keepalive_loop(self, lease: int) -> None:
+        """etcd: refresh the lease every `lease_s` / 6 on a connection of its own. Never behind
+        the record's put or the successor's read: during an election those can each take
+        seconds, and a keepalive waiting behind them let a healthy node's lease run out (it
+        was fenced). `_last_ok` is the send time of the last refresh answered."""
+        store: Any = self.m.clone(timeout=datetime.timedelta(seconds=self.lease_s / 2)).store
+        period = self.lease_s / 6
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            try:
+                if store.keepalive(lease) <= 0:
+                    self._fence(f"node {self.node}'s lease expired before the store heard from it again")
+                    return
+                self._last_ok = max(self._last_ok, store.answered_sent_at)
+            except dist.DistError as e:
+                log.warning("node %d: lease keepalive: no store majority for %.1f s (%s)", self.node,
+                            time.monotonic() - self._last_ok, e)
             self._stop.wait(max(0.0, period - (time.monotonic() - t0)))
 
     def _events_loop(self) -> None:

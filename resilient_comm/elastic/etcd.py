@@ -91,6 +91,10 @@ class EtcdStore(dist.Store):
                          for h, p in self.endpoints]
         self._current = 0
         self._timeout = timeout
+        # When the request that answered the last call was sent (monotonic): a lease that call
+        # refreshed lives at least its TTL from then, however long the call spent on endpoints
+        # that did not answer.
+        self.answered_sent_at = 0.0
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -112,6 +116,7 @@ class EtcdStore(dist.Store):
             errors = []
             for i in range(len(self._clients)):
                 k = (self._current + i) % len(self._clients)
+                sent = time.monotonic()
                 try:
                     out = fn(self._clients[k])
                 except (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError,
@@ -122,7 +127,7 @@ class EtcdStore(dist.Store):
                     raise  # a watch's slice ended: the caller's loop
                 except exceptions.Etcd3Exception as e:  # an answer, and a refusal (an expired lease, ...)
                     raise dist.DistStoreError(f"etcd refused {what}: {type(e).__name__}: {e}") from e
-                self._current = k
+                self._current, self.answered_sent_at = k, sent
                 return out
             if time.monotonic() + pause > deadline:
                 raise dist.DistNetworkError(f"etcd unreachable for {what} for {budget:g} s: {'; '.join(errors)}")

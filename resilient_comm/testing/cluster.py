@@ -182,6 +182,29 @@ class NetnsCluster:
         self.etcd[i].kill()
         self.etcd[i].wait()
 
+    def lead(self, i: int, timeout_s: float = 10.0) -> None:
+        """Make node i's etcd member the cluster's leader (etcd's MoveLeader, through the JSON
+        gateway of the current leader), so that a test can cut off the leader on purpose."""
+        import etcd3gw
+
+        def client(j: int) -> Any:
+            return etcd3gw.client(host=self.addr(j), port=2379, timeout=2.0, api_path="/v3/")
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = {j: client(j).post(client(j).get_url("/maintenance/status"), json={}) for j in self.etcd_on}
+            ids = {j: st["header"]["member_id"] for j, st in status.items()}
+            leader = next(j for j, st in status.items() if st["leader"] == st["header"]["member_id"]) \
+                if any(st["leader"] == st["header"]["member_id"] for st in status.values()) else None
+            if leader == i:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"etcd member e{i} did not become the leader in {timeout_s:g} s (leader: {leader})")
+            if leader is not None:
+                c = client(leader)
+                c.post(c.get_url("/maintenance/transfer-leadership"), json={"targetID": ids[i]})
+            time.sleep(0.2)  # polling the members' status until the move shows
+
     def partition(self, i: int) -> None:
         """Cut node i off: its link goes down; packets are dropped, nothing is refused."""
         _ip("link", "set", self.veth(i), "down")
