@@ -1,4 +1,9 @@
-"""Public API on top of torch.distributed: abort a group, ask whether it has failed."""
+"""Public API on top of torch.distributed: abort a group, ask whether it has failed.
+
+Arguments are checked before anything reaches the communicator: a ``group`` that is not a
+ProcessGroup (or None) is a TypeError, a group without a resilient_comm backend a ValueError;
+either way nothing is sent and the group is untouched.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,23 @@ from resilient_comm import _C
 from resilient_comm.errors import CommError
 
 
-def _backend(group: dist.ProcessGroup | None) -> _C.ResilientBackend:
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+def _group(group: object, caller: str) -> dist.ProcessGroup:
+    """`group`, or the default group for None; a TypeError naming `caller` for anything else."""
+    if group is None:
+        return dist.distributed_c10d._get_default_group()
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{caller}: group must be a torch.distributed.ProcessGroup or None, "
+                        f"got {type(group).__name__} {_short(group)}")
+    return group
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _backend(group: object, caller: str = "resilient_comm") -> _C.ResilientBackend:
+    pg = _group(group, caller)
     backend = pg._get_backend(torch.device("cpu"))
     if not isinstance(backend, _C.ResilientBackend):
         raise ValueError(  # noqa: TRY004  (the documented contract: ValueError for a bad group)
@@ -25,7 +45,10 @@ def abort(group: dist.ProcessGroup | None = None, reason: str = "resilient_comm.
 
     Returns immediately; safe from any thread, any number of times. Recovery builds a new group.
     """
-    _backend(group).abort_with_reason(reason)
+    backend = _backend(group, "abort")
+    if not isinstance(reason, str):
+        raise TypeError(f"abort: reason must be a str, got {type(reason).__name__} {_short(reason)}")
+    backend.abort_with_reason(reason)
 
 
 def errored(group: dist.ProcessGroup | None = None) -> CommError | None:
@@ -34,7 +57,7 @@ def errored(group: dist.ProcessGroup | None = None) -> CommError | None:
     The error is the exception an op on the group raises (CommTimeoutError, PeerFailureError,
     ...), returned, not raised; polling it is cheap (no communication).
     """
-    return _backend(group).comm_error()
+    return _backend(group, "errored").comm_error()
 
 
 def tainted() -> str | None:

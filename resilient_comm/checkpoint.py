@@ -41,7 +41,6 @@ import json
 import logging
 import math
 import os
-import pickle
 import re
 import statistics
 import sys
@@ -122,7 +121,8 @@ def verify(directory: str | os.PathLike, step: int, rank: int, *, checksum: bool
     """Why rank ``rank``'s checkpoint of ``step`` cannot be restored, or None when it can.
 
     Checks that the manifest exists and parses, names this step and rank, and that the data
-    file has the manifest's size and (with ``checksum``) SHA-256.
+    file has the manifest's size and (with ``checksum``) SHA-256. Whatever the files hold, the
+    answer is a reason, never an exception.
     """
     path, mpath = rank_file(directory, step, rank), manifest_file(directory, step, rank)
     try:
@@ -133,8 +133,10 @@ def verify(directory: str | os.PathLike, step: int, rank: int, *, checksum: bool
             return f"manifest {mpath} is for another checkpoint ({m.get('format')}, step {m.get('step')}, rank {m.get('rank')})"
     except FileNotFoundError:
         return f"no manifest {mpath} (never completed)"
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"manifest {mpath} is unreadable: {e}"
+    except RecursionError:
+        return f"manifest {mpath} is unreadable: nested deeper than the JSON parser goes"
+    except (OSError, ValueError, KeyError, TypeError, OverflowError) as e:  # OverflowError: "bytes": Infinity
+        return f"manifest {mpath} is unreadable: {type(e).__name__}: {e}"
     try:
         size = os.path.getsize(path)
     except OSError as e:
@@ -479,25 +481,30 @@ class AsyncCheckpointer:
         With ``step``, that checkpoint or CheckpointError. Without, a checkpoint that fails
         (truncated, corrupted, incomplete, unreadable) is logged as a warning naming the file
         and the reason, and the previous one is tried; CheckpointError lists every failure when
-        none is left. Reads with ``torch.load(weights_only=True)``.
+        none is left, chained to the newest step's torch.load error if there was one. Reads
+        with ``torch.load(weights_only=True)``.
         """
         steps = [step] if step is not None else _steps(self.directory)
         failures = []
+        cause: Exception | None = None
         for s in steps:
             why = verify(self.directory, s, self.rank)
             if why is None:
                 try:
                     state = torch.load(rank_file(self.directory, s, self.rank), map_location=map_location, weights_only=True)
                     return s, state
-                except (RuntimeError, ValueError, EOFError, OSError, pickle.UnpicklingError) as e:
+                # A file that verifies but holds a malformed pickle makes torch.load raise almost
+                # anything (IndexError, KeyError, AttributeError from the weights-only unpickler).
+                except Exception as e:  # noqa: BLE001
                     why = f"{rank_file(self.directory, s, self.rank)} does not load: {type(e).__name__}: {e}"
+                    cause = cause or e
             failures.append(f"step {s}: {why}")
             if step is None and os.path.exists(manifest_file(self.directory, s, self.rank)):
                 log.warning("checkpoint rank %d: %s; falling back to an older checkpoint", self.rank, why)
         if not failures:
             raise CheckpointError(f"checkpoint rank {self.rank}: no checkpoint in {self.directory}")
         raise CheckpointError(f"checkpoint rank {self.rank}: no valid checkpoint in {self.directory}:\n  "
-                              + "\n  ".join(failures))
+                              + "\n  ".join(failures)) from cause
 
     def close(self, timeout_s: float | None = None) -> None:
         """Wait for the last save to be durable (its error is logged, not raised), stop the

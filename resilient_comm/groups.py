@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from resilient_comm import _C
-from resilient_comm.api import _backend, errored
+from resilient_comm.api import _backend, _group, _short
 
 
 def _check_exclude(exclude_ranks: list[int], pg: dist.ProcessGroup) -> list[int]:
@@ -53,13 +53,14 @@ def _check_exclude(exclude_ranks: list[int], pg: dist.ProcessGroup) -> list[int]
 def shrink(exclude_ranks: list[int], group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
     """The group without `exclude_ranks` (group ranks). Call on every survivor, never on the
     excluded. If the group has failed, its pending ops are aborted first."""
-    pg = group if group is not None else c10d._get_default_group()
+    pg = _group(group, "shrink")
     excluded = _check_exclude(exclude_ranks, pg)
-    flags = c10d.SHRINK_ABORT if errored(pg) is not None else c10d.SHRINK_DEFAULT
+    parent = _backend(pg, "shrink")
+    flags = c10d.SHRINK_ABORT if parent.comm_error() is not None else c10d.SHRINK_DEFAULT
     # Not torch.distributed.shrink_group: it clones the store, and a new TCPStore connection can
     # stall 5 s in c10d's reverse-DNS lookup for a log line (pytorch/pytorch#159007). The new
     # group reuses the parent's store instead.
-    backend = _backend(pg).shrink(excluded, flags, None)
+    backend = parent.shrink(excluded, flags, None)
     global_of = c10d.get_process_group_ranks(pg)
     survivors = [g for i, g in enumerate(global_of) if i not in set(excluded)]
     is_default = pg is c10d._get_default_group()
@@ -73,10 +74,13 @@ def shrink(exclude_ranks: list[int], group: dist.ProcessGroup | None = None) -> 
 
 def split(color: int, key: int | None = None, group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
     """Split `group` by color (every member calls it); None where color < 0."""
-    pg = group if group is not None else c10d._get_default_group()
+    pg = _group(group, "split")
     key = pg.rank() if key is None else key
+    _check_int32("color", color)
+    _check_int32("key", key)
+    parent = _backend(pg, "split")
     members = _gather_colors(pg, color, key)
-    backend = _backend(pg).split_by_color(color, key)
+    backend = parent.split_by_color(color, key)
     index = _splits_so_far(pg)
     if color < 0:
         return None
@@ -89,6 +93,14 @@ def split(color: int, key: int | None = None, group: dist.ProcessGroup | None = 
         global_ranks=[global_of[r] for r in member_ranks],
         make_default=False,
     )
+
+
+def _check_int32(name: str, value: object) -> None:
+    """split's color and key: the communicator holds them as 32-bit ints."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"split: {name} must be an int, got {type(value).__name__} {_short(value)}")
+    if not -(1 << 31) <= value < 1 << 31:
+        raise ValueError(f"split: {name} {value} does not fit in 32 bits")
 
 
 _split_counts: dict[str, int] = {}
@@ -118,7 +130,7 @@ def grow(new_size: int, store: dist.Store, join_key: str) -> dist.ProcessGroup:
     pg = c10d._get_default_group()
     if new_size <= pg.size():
         raise ValueError(f"grow: new_size {new_size} must exceed the current size {pg.size()}")
-    backend = _backend(pg).grow(new_size, store, join_key)
+    backend = _backend(pg, "grow").grow(new_size, store, join_key)
     new_pg = _adopt(backend, store=store, name=f"grown:{join_key}", global_ranks=list(range(new_size)),
                     make_default=True, replaces=pg)
     return new_pg

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import logging
 import os
@@ -12,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import zipfile
 from typing import Any
 
 import pytest
@@ -24,6 +27,7 @@ from resilient_comm.checkpoint import (
     latest_complete,
     manifest_file,
     rank_file,
+    verify,
 )
 from resilient_comm.sim.young_daly import daly_interval, expected_waste, job_mtbf_s
 
@@ -203,6 +207,58 @@ def test_no_valid_checkpoint_raises(tmp_path: pathlib.Path) -> None:
     with pytest.raises(CheckpointError, match=r"no valid checkpoint(.|\n)*rank-00001.pt is truncated"):
         ckpt.load()
     assert ckpt.latest() is None
+    ckpt.close()
+
+
+@pytest.mark.parametrize("damage", ["deep", "infinite"])
+def test_a_malformed_manifest_is_a_reason_never_an_exception(tmp_path: pathlib.Path, damage: str,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    ckpt = AsyncCheckpointer(tmp_path, rank=0, keep=5)
+    _save(ckpt, 1, {"x": torch.arange(10.0)})
+    _save(ckpt, 2, {"x": torch.arange(10.0) * 2})
+    mpath = pathlib.Path(manifest_file(tmp_path, 2, 0))
+    if damage == "deep":  # json.load recurses: RecursionError
+        mpath.write_text("[" * 100_000 + "]" * 100_000)
+        reason = "nested deeper than the JSON parser goes"
+    else:  # int(float("inf")): OverflowError
+        mpath.write_text(re.sub(r'"bytes": \d+', '"bytes": Infinity', mpath.read_text()))
+        reason = "OverflowError: cannot convert float infinity to integer"
+    why = verify(tmp_path, 2, 0)
+    assert why == f"manifest {mpath} is unreadable: {reason}", why
+    assert latest_complete(tmp_path, 1) == 1 and ckpt.latest() == 1
+    with caplog.at_level(logging.WARNING, logger="resilient_comm.checkpoint"):
+        step, state = ckpt.load()
+    assert step == 1 and torch.equal(state["x"], torch.arange(10.0))
+    assert any(str(mpath) in r.getMessage() and reason in r.getMessage() for r in caplog.records), caplog.text
+    with pytest.raises(CheckpointError, match=re.escape(f"step 2: manifest {mpath} is unreadable: {reason}")):
+        ckpt.load(2)
+    ckpt.close()
+
+
+def test_a_file_that_verifies_but_does_not_unpickle_falls_back_and_is_the_cause(
+        tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
+    ckpt = AsyncCheckpointer(tmp_path, rank=0, keep=5)
+    _save(ckpt, 1, {"x": torch.arange(10.0)})
+    _save(ckpt, 2, {"x": torch.arange(10.0) * 2})
+    # Step 2's archive with a pickle that APPENDs to an empty stack (IndexError in torch.load's
+    # weights-only unpickler), and a manifest that matches it: only loading can tell.
+    path, mpath = pathlib.Path(rank_file(tmp_path, 2, 0)), pathlib.Path(manifest_file(tmp_path, 2, 0))
+    out = io.BytesIO()
+    with zipfile.ZipFile(path) as zin, zipfile.ZipFile(out, "w") as zout:
+        for name in zin.namelist():
+            zout.writestr(name, b"\x80\x02a." if name.endswith("/data.pkl") else zin.read(name))
+    path.write_bytes(out.getvalue())
+    m = json.loads(mpath.read_text())
+    m["bytes"], m["sha256"] = len(out.getvalue()), hashlib.sha256(out.getvalue()).hexdigest()
+    mpath.write_text(json.dumps(m))
+    assert verify(tmp_path, 2, 0) is None
+    with caplog.at_level(logging.WARNING, logger="resilient_comm.checkpoint"):
+        step, state = ckpt.load()
+    assert step == 1 and torch.equal(state["x"], torch.arange(10.0))
+    assert any(f"{path} does not load: IndexError" in r.getMessage() for r in caplog.records), caplog.text
+    with pytest.raises(CheckpointError, match=re.escape(f"step 2: {path} does not load: IndexError")) as info:
+        ckpt.load(2)
+    assert isinstance(info.value.__cause__, IndexError), repr(info.value.__cause__)
     ckpt.close()
 
 

@@ -225,6 +225,24 @@ def test_losing_one_etcd_member_changes_nothing(job: Job) -> None:
 
 
 @pytest.mark.timeout(300)
+def test_losing_the_etcd_leader_changes_nothing(partition_job: Job) -> None:
+    """The member that leads the cluster dies (its node's agent and workers go on): the others
+    elect a new leader, which extends every lease, and nobody is fenced or evicted."""
+    job = partition_job
+    job.held()
+    job.c.lead(2)
+    t0 = time.monotonic()
+    job.c.kill_etcd(2)
+    job.go()
+    status = job.wait(list(range(NODES)))
+    assert status == {i: 0 for i in range(NODES)}, {i: job.log(i)[-2000:] for i in status}
+    assert job.m.epoch() == 0, job.decisions()
+    assert not [e for e in read_events(job.events) if e["event"] == "evicted"]
+    check_survivors(job, list(range(WORLD)))
+    print(f"[nodes] etcd leader lost -> job finished {time.monotonic() - t0:.2f} s later")
+
+
+@pytest.mark.timeout(300)
 def test_losing_node_zeros_agent_takes_its_workers_out_and_the_rest_goes_on(job: Job) -> None:
     job.held()
     job.launchers[0].kill()  # node 0's resilient-run only: its workers lose their agent

@@ -78,6 +78,9 @@ void ResilientWork::hostWait(std::chrono::milliseconds timeout) {
 }
 
 bool ResilientWork::wait(std::chrono::milliseconds timeout) {
+  // A bad argument is the caller's, not the op's: it must not expire (abort) the group.
+  TORCH_CHECK_VALUE(timeout == kNoTimeout || timeout.count() >= 0, "Work.wait: timeout must not be negative, got ",
+                    timeout.count(), " ms");
   if (op_) {
     raiseIfFailed();
     if (!hostWaits_) {

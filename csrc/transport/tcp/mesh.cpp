@@ -1,6 +1,15 @@
 #include "transport/tcp/mesh.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include "common/check.h"
+#include "common/logging.h"
 #include "transport/tcp/resync.h"
 #include "transport/tcp/wire.h"
 
@@ -10,6 +19,48 @@ namespace {
 
 constexpr uint8_t kAccepted = 1;
 constexpr uint8_t kOtherComm = 2;
+
+// A dialler writes its Hello as soon as it is connected: a connection that has not delivered
+// one within this bound (a port scanner, a health check, a half-open socket) is dropped, and
+// never holds up the Hellos of the others, which are read side by side.
+constexpr std::chrono::milliseconds kHelloTimeout{2000};
+
+std::string peerName(int fd) {
+  sockaddr_in a{};
+  socklen_t len = sizeof(a);
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0 || a.sin_family != AF_INET) {
+    return "an unknown address";
+  }
+  char buf[INET_ADDRSTRLEN] = {0};
+  ::inet_ntop(AF_INET, &a.sin_addr, buf, sizeof(buf));
+  return std::string(buf) + ":" + std::to_string(ntohs(a.sin_port));
+}
+
+// An accepted connection whose Hello is still arriving.
+struct Incoming {
+  Socket sock;
+  Hello hello{};
+  size_t got = 0;
+  Deadline dl;
+  std::string from;
+};
+
+// Reads what has arrived of `in`'s Hello without blocking. Ok: keep waiting, or complete
+// (got == sizeof(Hello)); an error: the connection ended or failed.
+Status readHello(Incoming& in) {
+  while (in.got < sizeof(Hello)) {
+    ssize_t n = ::recv(in.sock.fd(), reinterpret_cast<char*>(&in.hello) + in.got, sizeof(Hello) - in.got, 0);
+    if (n > 0) {
+      in.got += static_cast<size_t>(n);
+      continue;
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+      return Status::ok();
+    }
+    return Status(StatusCode::kPeerFailure, n == 0 ? "closed before its Hello" : std::strerror(errno));
+  }
+  return Status::ok();
+}
 
 void store(std::vector<Peer>& peers, int r, Socket s, std::mutex& mu, const AbortToken& abort) {
   std::lock_guard<std::mutex> lock(mu);
@@ -99,42 +150,89 @@ Status buildMesh(const MeshSpec& spec, Listener& listener, std::vector<Peer>& pe
     }
     return m;
   };
+  // Connections are accepted and their Hellos read side by side, each bounded by
+  // kHelloTimeout: one that sends nothing, or garbage, is dropped without delaying the rest.
+  std::vector<Incoming> incoming;
+  std::vector<pollfd> fds;
   for (std::string waiting = missing(); !waiting.empty(); waiting = missing()) {
-    Result<Socket> s = acceptOne(listener.socket(), dl, abort);
-    if (s.status().code() == StatusCode::kTimeout) {
+    if (abort.aborted()) {  // an abandoned build must not take a connection a later one needs
+      return Status(StatusCode::kAborted, "accept interrupted: " + abort.reason());
+    }
+    if (dl.passed()) {
       return Status(StatusCode::kTimeout, "rank(s) " + waiting + " never connected before the deadline");
     }
-    RC_RETURN_IF_ERROR(s.status());
-    Hello hello{};
-    Status st = readAll(s.value(), &hello, sizeof(hello), dl, abort);
-    if (st.code() == StatusCode::kAborted) {
-      return st;
+    fds.assign(1, pollfd{listener.socket().fd(), POLLIN, 0});
+    Deadline next = dl;
+    for (const Incoming& in : incoming) {
+      fds.push_back(pollfd{in.sock.fd(), POLLIN, 0});
+      next = next.earliest(in.dl);
     }
-    if (!st.isOk() || hello.magic != kWireMagic) {
-      continue;  // not one of ours, or it gave up: keep accepting
+    // In slices, so that an abort from another thread is seen within 10 ms.
+    int rc = ::poll(fds.data(), fds.size(), next.remainingMs(10));
+    if (rc < 0 && errno != EINTR) {
+      return RC_SYS_ERROR("poll");
     }
-    if (hello.commHash != spec.hash && listener.wasStarted(hello.commHash)) {
-      continue;  // left in the backlog by an earlier build on this listener, since abandoned
+    std::vector<Incoming> complete;
+    for (size_t i = incoming.size(); i-- > 0;) {
+      Incoming& in = incoming[i];
+      Status st = fds[i + 1].revents != 0 ? readHello(in) : Status::ok();
+      bool done = st.isOk() && in.got == sizeof(Hello);
+      if (!st.isOk() || (!done && in.dl.passed())) {
+        RC_LOG(kWarning, "TCP build (rank " << rank << "): dropped a connection from " << in.from << " that "
+                                            << (st.isOk() ? "sent no Hello within " + std::to_string(kHelloTimeout.count()) + " ms"
+                                                          : st.message()));
+      }
+      if (done) {
+        complete.push_back(std::move(in));
+      }
+      if (done || !st.isOk() || in.dl.passed()) {
+        incoming.erase(incoming.begin() + static_cast<std::ptrdiff_t>(i));
+      }
     }
-    if (hello.commHash != spec.hash || hello.size != size || hello.rank <= rank || hello.rank >= size) {
-      uint8_t no = kOtherComm;
-      (void)writeAll(s.value(), &no, 1, dl, abort);
-      return Status(StatusCode::kMismatch,
-                    "a peer connected as rank " + std::to_string(hello.rank) + " of " + std::to_string(hello.size) +
-                        " for a different communicator (its member list, color or epoch differs from rank " +
-                        std::to_string(rank) + "'s); every member must shrink/split/grow with the same arguments");
+    if (fds[0].revents != 0) {
+      for (;;) {
+        int fd = ::accept4(listener.socket().fd(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0) {
+          if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED) {
+            break;
+          }
+          return RC_SYS_ERROR("accept");
+        }
+        Incoming in{Socket(fd), Hello{}, 0, dl.earliest(Deadline::after(kHelloTimeout)), peerName(fd)};
+        RC_RETURN_IF_ERROR(setNoDelay(fd));
+        incoming.push_back(std::move(in));
+      }
     }
-    bool dup = false;
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      dup = peers[hello.rank].sock.valid();
+    for (Incoming& in : complete) {
+      const Hello& hello = in.hello;
+      if (hello.magic != kWireMagic) {
+        RC_LOG(kWarning, "TCP build (rank " << rank << "): dropped a connection from " << in.from
+                                            << " that is not a resilient_comm peer (bad magic)");
+        continue;
+      }
+      if (hello.commHash != spec.hash && listener.wasStarted(hello.commHash)) {
+        continue;  // left in the backlog by an earlier build on this listener, since abandoned
+      }
+      if (hello.commHash != spec.hash || hello.size != size || hello.rank <= rank || hello.rank >= size) {
+        uint8_t no = kOtherComm;
+        (void)writeAll(in.sock, &no, 1, dl, abort);
+        return Status(StatusCode::kMismatch,
+                      "a peer connected as rank " + std::to_string(hello.rank) + " of " + std::to_string(hello.size) +
+                          " for a different communicator (its member list, color or epoch differs from rank " +
+                          std::to_string(rank) + "'s); every member must shrink/split/grow with the same arguments");
+      }
+      bool dup = false;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        dup = peers[hello.rank].sock.valid();
+      }
+      if (dup) {
+        return Status(StatusCode::kMismatch, "two peers claimed rank " + std::to_string(hello.rank));
+      }
+      uint8_t yes = kAccepted;
+      RC_RETURN_IF_ERROR(writeAll(in.sock, &yes, 1, dl, abort));
+      store(peers, hello.rank, std::move(in.sock), mu, abort);
     }
-    if (dup) {
-      return Status(StatusCode::kMismatch, "two peers claimed rank " + std::to_string(hello.rank));
-    }
-    uint8_t yes = kAccepted;
-    RC_RETURN_IF_ERROR(writeAll(s.value(), &yes, 1, dl, abort));
-    store(peers, hello.rank, s.take(), mu, abort);
   }
   return Status::ok();
 }

@@ -9,6 +9,13 @@
 // for a build this listener already started (left in its backlog by a build that was
 // abandoned) is stale, and dropped; see Listener.
 //
+// The acceptor reads the Hellos of every connection it accepted side by side, each bounded by
+// 2 s: a connection that sends none (a port scanner, a health check, a half-open socket), one
+// that closes, and one whose first bytes are not a Hello (wrong magic) are dropped and logged
+// with the peer's address, and none of them delays the members' Hellos. (A well-formed Hello
+// with another communicator's hash still fails the build as a mismatch: without a job token
+// a member building another communicator and a stranger cannot be told apart; issue #16.)
+//
 // Pairs that arrive with a connection (a shrink after an error hands the survivors' streams
 // to the child) are resynchronised first (resync.h: usually no wait at all, since the parent's
 // failure already sent what the resync reads); only those whose stream cannot be

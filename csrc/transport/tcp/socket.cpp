@@ -12,9 +12,11 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <mutex>
 
 #include "common/check.h"
 #include "common/env.h"
+#include "common/logging.h"
 
 namespace resilient_comm::tcp {
 
@@ -82,7 +84,7 @@ Status setNoDelay(int fd) {
   return Status::ok();
 }
 
-Result<Socket> listenAnyPort(int* port) {
+Result<Socket> listenPublished(int* port) {
   Socket s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!s.valid()) {
     return RC_SYS_ERROR("socket");
@@ -91,10 +93,27 @@ Result<Socket> listenAnyPort(int* port) {
   ::setsockopt(s.fd(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
   addr.sin_port = 0;
-  if (::bind(s.fd(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) < 0) {
-    return RC_SYS_ERROR("bind");
+  // Bound to the address peers are told to dial, not to every interface; where that address
+  // is not this host's (a name resolving elsewhere, a NAT), to every interface, with a warning.
+  const std::string host = publishedHost();
+  bool bound = false;
+  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) == 1) {
+    bound = ::bind(s.fd(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    if (!bound && errno != EADDRNOTAVAIL) {
+      return RC_SYS_ERROR("bind");
+    }
+  }
+  if (!bound) {
+    static std::once_flag warned;
+    std::call_once(warned, [&] {
+      RC_LOG(kWarning, "TCP transport: the published address " << host
+                                                               << " is not this host's; listening on every interface");
+    });
+    addr.sin_addr.s_addr = htonl(INADDR_ANY);
+    if (::bind(s.fd(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) < 0) {
+      return RC_SYS_ERROR("bind");
+    }
   }
   if (::listen(s.fd(), SOMAXCONN) < 0) {
     return RC_SYS_ERROR("listen");

@@ -44,8 +44,9 @@ class Socket {
   int fd_ = -1;
 };
 
-// Listens on all interfaces on an ephemeral port; `port` receives the port chosen.
-Result<Socket> listenAnyPort(int* port);
+// Listens on an ephemeral port of the address publishedHost() names (every interface if that
+// address is not this host's); `port` receives the port chosen.
+Result<Socket> listenPublished(int* port);
 // Connects to host:port, retrying refused connections until the deadline (or, without
 // `retryRefused`, failing with PeerFailure at the first refusal: nobody listens there).
 Result<Socket> connectTo(const std::string& host, int port, const Deadline& dl, const AbortToken& abort,

@@ -114,7 +114,7 @@ void TcpCommunicator::runBuild(const Deadline& dl) {
 
 Status TcpCommunicator::publishListener(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key) {
   int port = 0;
-  Result<Socket> listener = listenAnyPort(&port);
+  Result<Socket> listener = listenPublished(&port);
   RC_RETURN_IF_ERROR(listener.status());
   listener_ = std::make_shared<Listener>(listener.take());
   return storeSet(store, key, publishedHost() + ":" + std::to_string(port));

@@ -85,7 +85,7 @@ uint64_t idNonce(const ncclUniqueId& id) {
 Status startRoot(ncclUniqueId* id, std::chrono::milliseconds lifetime) {
   int port = 0;
   tcp::Socket listener;
-  RC_ASSIGN_OR_RETURN(listener, tcp::listenAnyPort(&port));
+  RC_ASSIGN_OR_RETURN(listener, tcp::listenPublished(&port));
   std::string host = tcp::publishedHost();
   if (host.size() >= sizeof(id->internal) - kHostOffset) {
     return Status(StatusCode::kInvalidArgument, "host name too long for a unique id: " + host);

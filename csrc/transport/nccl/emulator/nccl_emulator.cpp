@@ -48,7 +48,7 @@ ncclResult_t parseConfig(const ncclConfig_t* cfg, bool inherit, bool* blocking) 
 Status bootstrap(EmuComm* c, const ncclUniqueId& id) {
   int port = 0;
   tcp::Socket sock;
-  RC_ASSIGN_OR_RETURN(sock, tcp::listenAnyPort(&port));
+  RC_ASSIGN_OR_RETURN(sock, tcp::listenPublished(&port));
   auto listener = std::make_shared<tcp::Listener>(std::move(sock));
   std::vector<std::string> book;
   RC_ASSIGN_OR_RETURN(book, emu::joinRoot(id, c->rank, c->nranks, tcp::publishedHost() + ":" + std::to_string(port),
