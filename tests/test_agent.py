@@ -316,3 +316,31 @@ def test_a_slow_record_write_never_holds_up_the_lease_keepalive(etcd: str, monke
         assert m.node_record(0) is not None, "the lease expired: the record is gone"
     finally:
         a.stop()
+
+
+@pytest.mark.timeout(30)
+def test_the_events_thread_goes_past_malformed_events(store: dist.TCPStore) -> None:
+    """Garbage in an event slot, an event whose evidence is malformed: the agent logs and skips
+    them, and forwards the next good one (a JSONDecodeError used to end its events thread:
+    the node heard nothing more)."""
+    agents = _agents(store, 1, per_node=1)
+    got: list[str] = []
+    agents[0].broadcast = got.append  # type: ignore[method-assign]  # what the workers would hear
+    m = Membership(store, "rc/a", 1)
+    try:
+        agents[0].start()
+        store.set(m.key("events", 0), "{garbage")
+        store.set(m.key("events", 1), json.dumps({"kind": "gone", "ranks": [0], "gone": [{"rank": "x"}]}))
+        m.post_event({"kind": "finished"})
+        deadline = time.monotonic() + 5
+        while agents[0].events_read < 3:
+            assert time.monotonic() < deadline, f"the events thread read {agents[0].events_read} events"
+            time.sleep(0.01)  # polling the agent's counter (the thing measured)
+        deadline = time.monotonic() + 5
+        while not got:
+            assert time.monotonic() < deadline, "the good event was not forwarded"
+            time.sleep(0.01)
+    finally:
+        agents[0].stop()
+    assert got == ['ev {"kind":"finished"}'], got
+    assert not agents[0].procs[0].done, "a malformed gone event took a process out"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 import threading
+import time
 from dataclasses import asdict
 from typing import Any, cast
 
@@ -127,6 +128,54 @@ def test_failure_reports_are_recorded_once_and_events_have_no_holes(store: dist.
     assert m.event(5) == {"kind": "gone", "ranks": [4, 5], "gone": [asdict(g) for g in lost[1:]], "node": 2}, \
         "one event for a lost node, with the evidence that was recorded"
     assert sorted((m.event(i) or {})["i"] for i in range(1, 5)) == [0, 1, 2, 3]
+
+
+@pytest.mark.timeout(30)
+def test_a_malformed_store_value_is_ignored_or_a_clear_error_never_a_crash(
+        store: dist.TCPStore, caplog: pytest.LogCaptureFixture) -> None:
+    """Anyone who reaches the store can write garbage (issue #16, item 4). Records that can be
+    skipped are (logged once); the two that cannot -- the epoch and a decision, the authority on
+    membership -- are a DistStoreError naming the key (the controller's RecoveryError)."""
+    m = Membership(store, "rc/bad")
+    good = Gone(1, "exit", "killed", 1.0, "launcher")
+    store.set(m.key("gone", 0), "{not json")
+    store.set(m.key("gone", 1), good.to_json())
+    store.set(m.key("gone", 2), json.dumps({"rank": "2", "kind": "exit", "detail": "", "t": 0, "by": "x"}))
+    store.set(m.key("gone", 3), json.dumps([1, 2]))
+    with caplog.at_level("WARNING", logger="resilient_comm.membership"):
+        assert m.gone([0, 1, 2, 3]) == {1: good}
+    assert "ignoring the malformed gone record at 'rc/bad/gone/0'" in caplog.text
+    assert "Gone.rank: '2' is not int" in caplog.text and "Gone: not a JSON object" in caplog.text
+    m.join(1, JoinRecord(0, 0, True, 5, None))
+    store.set(m.key("e", 1, "join", 1), json.dumps({"rank": 1, "applied": 0, "ready": "yes", "committed": 5,
+                                                     "pending": None}))
+    store.set(m.key("e", 1, "join", 2), "\xff\xfe")
+    assert m.joined(1, [0, 1, 2]) == {0: JoinRecord(0, 0, True, 5, None)}
+    store.set(m.key("events", 0), "]]")  # readers go past a malformed event
+    m.post_event({"kind": "finished"})
+    assert m.event(0) is not None and m.event(0)["kind"] == "malformed" and m.event(1) == {"kind": "finished"}
+    store.set(m.key("spare", "n"), "3")
+    store.set(m.key("spare", 0), "not-an-int")
+    store.set(m.key("spare", 1), "17")
+    assert m.spares() == [17], "a malformed spare id is skipped (it crashed the launcher)"
+    store.add(m.key("spare", "n"), 20000)  # a counter far ahead of the registrations
+    t0 = time.monotonic()
+    assert m.spares() == [17]
+    assert time.monotonic() - t0 < 1.0, "one chunk of reads, not one check per counted key"
+    store.add(m.key("done", "n"), 1)
+    store.set(m.key("done", 0), "12")
+    store.set(m.key("done", 1), "1e99")
+    assert m.done([0, 1]) == {0: 12}
+    store.set(m.key("e", 2, "decision"), "not a decision")
+    with pytest.raises(dist.DistStoreError, match="the decision at 'rc/bad/e/2/decision' is malformed"):
+        m.decision(2)
+    store.set(m.key("e", 3, "decision"), json.dumps({"epoch": 3, "members": "0-1", "mesh": {"dp": "2"},
+                                                     "mode": "init", "resume_step": 0}))
+    with pytest.raises(dist.DistStoreError, match="Decision.mesh"):
+        m.decision(3)
+    store.set(m.key("epoch"), "two")
+    with pytest.raises(dist.DistStoreError, match="the membership's epoch at 'rc/bad/epoch' is malformed"):
+        m.propose(1)
 
 
 def test_decision_and_records_round_trip_through_json() -> None:

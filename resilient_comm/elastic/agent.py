@@ -679,8 +679,12 @@ class NodeAgent:
                     self.present.add(int(ev["node"]))
                     self._announced.add(int(ev["node"]))
                 return
+            if kind == "malformed":
+                return  # logged by the membership: nothing to forward
             if kind == "gone":
                 ranks = [int(r) for r in ev["ranks"]]  # (their evidence is in the event: no read)
+                for g in ev.get("gone", []):
+                    Gone.from_dict(g)  # what the workers parse: refused here if malformed
                 with self._lock:
                     if ev.get("node") is not None:
                         self.gone_nodes.add(int(ev["node"]))

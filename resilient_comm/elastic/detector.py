@@ -328,8 +328,12 @@ class Detector:
             if self._on_fenced is not None:
                 self._on_fenced(rest)
             return
-        ev = json.loads(rest)
-        gones = [Gone(**g) for g in ev.get("gone", [])]
+        try:  # the agent checked it; a worker trusts nothing it parses either
+            ev = json.loads(rest)
+            gones = [Gone.from_dict(g) for g in ev.get("gone", [])]
+        except (ValueError, TypeError, AttributeError) as e:
+            log.warning("rank %d: ignoring a malformed event from the node agent (%s): %.80s", self.rank, e, rest)
+            return
         with self._lock:
             for g in gones:
                 self._gone.setdefault(g.rank, g)

@@ -45,14 +45,16 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
 from resilient_comm.elastic.policy import Mesh
 
+T = TypeVar("T")
 _NO_RECORD = "\x00none"  # never a node record (those are JSON objects)
 
 
@@ -98,6 +100,52 @@ def _dumps(obj: Any) -> str:
     return json.dumps(asdict(obj), sort_keys=True, separators=(",", ":"))
 
 
+log = logging.getLogger("resilient_comm.membership")
+_warned: set[str] = set()  # keys whose malformed value was logged (once each)
+
+
+def _warn_malformed(key: str, what: str, e: Exception) -> None:
+    if key not in _warned and len(_warned) < 10000:
+        _warned.add(key)
+        log.warning("ignoring the malformed %s at %r: %s", what, key, e)
+
+
+def _is(value: object, t: str) -> bool:
+    """Whether a JSON value fits a field annotation of the records below."""
+    if t.endswith(" | None"):
+        return value is None or _is(value, t[:-7])
+    if t == "bool":
+        return isinstance(value, bool)
+    if t == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if t == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if t == "str":
+        return isinstance(value, str)
+    if t.startswith("list[") and t.endswith("]"):
+        return isinstance(value, list) and all(_is(v, t[5:-1]) for v in value)
+    if t == "dict[str, int]":
+        return isinstance(value, dict) and all(isinstance(k, str) and _is(v, "int") for k, v in value.items())
+    raise AssertionError(f"no check for the annotation {t!r}")
+
+
+def _record(cls: type[T], d: object) -> T:
+    """`cls(**d)` for a JSON object whose fields all have the declared types; else ValueError
+    (a value from the store is never trusted to be well-formed)."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{cls.__name__}: not a JSON object: {str(d)[:60]!r}")  # noqa: TRY004  (malformed data, not a caller bug)
+    types = {f.name: str(f.type) for f in fields(cast(Any, cls))}
+    for name, value in d.items():
+        if name not in types:
+            raise ValueError(f"{cls.__name__}: unknown field {name!r}")
+        if not _is(value, types[name]):
+            raise ValueError(f"{cls.__name__}.{name}: {str(value)[:40]!r} is not {types[name]}")
+    try:
+        return cls(**d)
+    except TypeError as e:  # a field missing
+        raise ValueError(f"{cls.__name__}: {e}") from e
+
+
 @dataclass(frozen=True)
 class Decision:
     """The outcome of an epoch. `members` are launch ranks, in the new rank order."""
@@ -133,11 +181,13 @@ class Decision:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Decision:
+        """The decision `text` holds; ValueError if it is not a well-formed one."""
         d = json.loads(text)
-        for f in _RANK_LISTS:
-            if isinstance(d.get(f), str):
-                d[f] = _unruns(d[f])
-        return cls(**d)
+        if isinstance(d, dict):
+            for f in _RANK_LISTS:
+                if isinstance(d.get(f), str):
+                    d[f] = _unruns(d[f])
+        return _record(cls, d)
 
 
 @dataclass(frozen=True)
@@ -156,7 +206,7 @@ class JoinRecord:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> JoinRecord:
-        return cls(**json.loads(text))
+        return _record(cls, json.loads(text))
 
 
 @dataclass(frozen=True)
@@ -175,7 +225,11 @@ class Gone:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Gone:
-        return cls(**json.loads(text))
+        return _record(cls, json.loads(text))
+
+    @classmethod
+    def from_dict(cls, d: object) -> Gone:
+        return _record(cls, d)
 
 
 class Membership:
@@ -202,23 +256,26 @@ class Membership:
     def start(self, initial: Decision) -> Decision:
         """Record epoch 0 (every rank calls this with the same decision; the first wins)."""
         self.store.compare_set(self.key("epoch"), "", "0")
-        return Decision.from_json(self.store.compare_set(self.key("e", 0, "decision"), "", initial.to_json()))
+        k = self.key("e", 0, "decision")
+        return _decision(k, self.store.compare_set(k, "", initial.to_json()))
 
     def epoch(self) -> int:
-        return int(self.store.get(self.key("epoch")))
+        k = self.key("epoch")
+        return _epoch(k, self.store.get(k))
 
     def propose(self, applied: int) -> int:
         """Propose epoch applied+1 if the current epoch is `applied`; returns the current epoch."""
-        return int(self.store.compare_set(self.key("epoch"), str(applied), str(applied + 1)))
+        k = self.key("epoch")
+        return _epoch(k, self.store.compare_set(k, str(applied), str(applied + 1)))
 
     def decision(self, epoch: int) -> Decision | None:
         k = self.key("e", epoch, "decision")
-        return Decision.from_json(self.store.get(k)) if self.store.check([k]) else None
+        return _decision(k, self.store.get(k)) if self.store.check([k]) else None
 
     def decide(self, decision: Decision) -> Decision:
         """Publish `decision` unless one exists; returns the one that holds."""
         k = self.key("e", decision.epoch, "decision")
-        return Decision.from_json(self.store.compare_set(k, "", decision.to_json()))
+        return _decision(k, self.store.compare_set(k, "", decision.to_json()))
 
     def join(self, epoch: int, record: JoinRecord) -> None:
         self.store.set(self.key("e", epoch, "join", record.rank), record.to_json())
@@ -244,10 +301,24 @@ class Membership:
         return self.joined(epoch, live), self.gone([r for r in base if r not in alive])
 
     def joined(self, epoch: int, ranks: list[int]) -> dict[int, JoinRecord]:
+        """The join records of `ranks` for `epoch` that exist; a malformed one is logged and
+        counts as not there."""
         got = self._present([self.key("e", epoch, "join", r) for r in ranks], ranks)
-        # One parse for all (at 16K members, one per record costs the decider ~0.3 s).
-        records = json.loads(b"[" + b",".join(got.values()) + b"]")
-        return {r: JoinRecord(**d) for r, d in zip(got, records)}
+        # One parse for all (at 16K members, one per record costs the decider ~0.3 s); only if
+        # that fails, one by one.
+        try:
+            records = json.loads(b"[" + b",".join(got.values()) + b"]")
+            if len(records) == len(got):
+                return {r: _record(JoinRecord, d) for r, d in zip(got, records)}
+        except ValueError:
+            pass
+        out = {}
+        for r, v in got.items():
+            try:
+                out[r] = JoinRecord.from_json(v)
+            except ValueError as e:
+                _warn_malformed(self.key("e", epoch, "join", r), "join record", e)
+        return out
 
     def world_store(self, epoch: int) -> dist.Store:
         """Where epoch `epoch`'s world group meets when it is built afresh."""
@@ -274,7 +345,14 @@ class Membership:
         return [g.rank for g in first]
 
     def gone(self, ranks: list[int]) -> dict[int, Gone]:
-        return {r: Gone.from_json(v) for r, v in self._present([self.key("gone", r) for r in ranks], ranks).items()}
+        """The evidence recorded on `ranks` (a malformed record is logged and ignored)."""
+        out = {}
+        for r, v in self._present([self.key("gone", r) for r in ranks], ranks).items():
+            try:
+                out[r] = Gone.from_json(v)
+            except ValueError as e:
+                _warn_malformed(self.key("gone", r), "gone record", e)
+        return out
 
     def post_event(self, payload: dict[str, Any]) -> int:
         """Append an event and wake every node's agent; returns its index. Slots are claimed
@@ -294,8 +372,19 @@ class Membership:
         return bool(getattr(self.store, "watches_keys", False))
 
     def event(self, i: int) -> dict[str, Any] | None:
+        """The i-th event, None if there is none yet; a malformed one reads as kind
+        "malformed" (logged), so that readers go past it."""
         k = self.key("events", i)
-        return json.loads(self.store.get(k)) if self.store.check([k]) else None
+        if not self.store.check([k]):
+            return None
+        try:
+            ev = json.loads(self.store.get(k))
+            if not isinstance(ev, dict) or not isinstance(ev.get("kind"), str):
+                raise ValueError("not a JSON object with a kind")  # noqa: TRY004
+            return ev
+        except ValueError as e:
+            _warn_malformed(k, "event", e)
+            return {"kind": "malformed", "detail": str(e)}
 
     def wake_node(self, node: int, why: str = "event") -> None:
         self.store.queue_push(self.key("wake", "node", node), why)
@@ -328,11 +417,23 @@ class Membership:
         self.store.set(self.key("spare", i), str(spare_id))
 
     def spares(self) -> list[int]:
-        """Ids of every spare that ever registered, in registration order."""
+        """Ids of every spare that ever registered, in registration order. A malformed id is
+        logged and ignored; the ids are read a chunk at a time, and a chunk with none there
+        ends the list (a counter far ahead of the registrations costs one chunk of reads)."""
         k = self.key("spare", "n")
         n = self.store.add(k, 0) if self.store.check([k]) else 0
-        keys = [self.key("spare", i) for i in range(n)]
-        return [int(v) for v in self._present(keys, list(range(n))).values()]
+        out = []
+        for at in range(0, n, CHUNK_KEYS):
+            idx = list(range(at, min(n, at + CHUNK_KEYS)))
+            got = self._present([self.key("spare", i) for i in idx], idx)
+            if not got:
+                break
+            for i, v in got.items():
+                try:
+                    out.append(_int(v))
+                except ValueError as e:
+                    _warn_malformed(self.key("spare", i), "spare id", e)
+        return out
 
     def announce_node(self, node: int) -> None:
         """A capacity node (``--nnodes MIN:MAX``, MIN <= node < MAX) joins the agents' ring."""
@@ -354,7 +455,13 @@ class Membership:
         finished (the common case, answered in one call whatever the number of ranks)."""
         if not self.store.add(self.key("done", "n"), 0):
             return {}
-        return {r: int(v) for r, v in self._present([self.key("done", r) for r in ranks], ranks).items()}
+        out = {}
+        for r, v in self._present([self.key("done", r) for r in ranks], ranks).items():
+            try:
+                out[r] = _int(v)
+            except ValueError as e:
+                _warn_malformed(self.key("done", r), "finished step", e)
+        return out
 
     def _present(self, keys: list[str], ranks: list[int]) -> dict[int, bytes]:
         """Values of the keys that exist (get would block on a missing key), read `CHUNK_KEYS`
@@ -369,6 +476,29 @@ class Membership:
             if have:
                 out.update(zip([r for r, _ in have], self.store.multi_get([k for _, k in have])))
         return out
+
+
+def _int(v: bytes | str) -> int:
+    text = v.decode(errors="replace") if isinstance(v, bytes) else v
+    if not text.strip().lstrip("-").isdigit() or len(text) > 20:
+        raise ValueError(f"{text[:40]!r} is not an integer")
+    return int(text)
+
+
+def _epoch(key: str, v: bytes | str) -> int:
+    try:
+        return _int(v)
+    except ValueError as e:
+        raise dist.DistStoreError(f"the membership's epoch at {key!r} is malformed: {e}") from e
+
+
+def _decision(key: str, v: bytes | str) -> Decision:
+    """A decision read back; a malformed one is an error naming the key (the decision is the
+    authority on membership: it cannot be skipped)."""
+    try:
+        return Decision.from_json(v)
+    except ValueError as e:
+        raise dist.DistStoreError(f"the decision at {key!r} is malformed: {e}") from e
 
 
 def join_poll_cap_s(members: int) -> float:
