@@ -34,8 +34,12 @@ def report() -> dict:
         "transports": {"tcp": {"available": True, "caps": caps}},
         "nccl": nccl,
         "hccl": _C.probe_hccl(),
-        "knobs": [(k.name, k.value, k.default) for k in knobs()],
+        "knobs": [(k.name, "<set, not shown>" if k.name in SECRET_KNOBS and k.value else k.value, k.default)
+                  for k in knobs()],
     }
+
+
+SECRET_KNOBS = ("RESILIENT_COMM_TOKEN",)  # never printed
 
 
 def main(argv: list[str] | None = None) -> int:

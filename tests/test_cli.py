@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -17,13 +18,16 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 @pytest.mark.timeout(60)
 def test_doctor_reports_transports_and_nccl() -> None:
+    secret = "do-not-print-this-token"
     out = subprocess.run(
-        [sys.executable, "-m", "resilient_comm.cli", "doctor"], capture_output=True, text=True, timeout=50, check=False
+        [sys.executable, "-m", "resilient_comm.cli", "doctor"], capture_output=True, text=True, timeout=50, check=False,
+        env={**os.environ, "RESILIENT_COMM_TOKEN": secret},
     )
     assert out.returncode == 0, out.stderr
     assert "tcp   available" in out.stdout and "abort=yes" in out.stdout
     assert "nccl" in out.stdout
     assert "RESILIENT_COMM_ALGO" in out.stdout
+    assert "RESILIENT_COMM_TOKEN" in out.stdout and "<set, not shown>" in out.stdout and secret not in out.stdout
 
 
 def test_every_knob_is_documented_in_the_readme() -> None:

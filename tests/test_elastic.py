@@ -161,6 +161,21 @@ def _stop_at(job: ToyJob, victim: int, step: int) -> float:
     return time.monotonic()
 
 
+@pytest.mark.timeout(180)
+def test_eight_ranks_starved_of_cpu_at_start_up_are_not_evicted(tmp_path: Any) -> None:
+    """Chaos finding 9 of issue #16: each rank's state factory burns 1.5 s of CPU in calls that
+    hold the GIL (as a first `import torch.optim` does) on this 2-core machine, eight at once,
+    after its heartbeat began. No rank may be suspected: before its first step a rank's silence
+    bound is ten floors. (With the 1 s floor alone, ranks were suspected.)"""
+    job = ToyJob(8, ["--steps", "6", "--startup-burn-ms", "1500"], str(tmp_path)).start()
+    status = job.wait(150)
+    m = Membership(job.launcher.client(), job.launcher.namespace)
+    suspected = {r: g.detail for r, g in m.gone(list(range(8))).items() if g.kind == "suspect"}
+    assert status == 0 and not suspected, f"healthy ranks suspected at start-up: {suspected}"
+    assert m.epoch() == 0, m.decision(m.epoch())
+    assert commits_by_rank(job) == {r: list(range(6)) for r in range(8)}
+
+
 @pytest.mark.timeout(120)
 def test_sigstop_shorter_than_the_slow_bound_evicts_nobody(tmp_path: Any) -> None:
     victim, hold = 1, 0.3  # the silence bound is at least 1 s (DetectorConfig.silence_floor_s)

@@ -256,6 +256,10 @@ def test_a_live_heartbeat_is_never_dead_and_silence_needs_the_adaptive_bound() -
     slow = _peer(p99_s=0.4, comm_s=0.05)  # bound = 10 * 0.4 + 0.05 = 4.05 s
     assert assess(slow, 10, "sync", 104.0, cfg) is None
     assert "bound 4.05 s" in (assess(slow, 10, "sync", 104.1, cfg) or "")
+    # Before its first step (its imports and state factory may starve it of CPU): ten floors.
+    starting = _peer(step=-1, phase="start")
+    assert assess(starting, 0, "sync", 101.5, cfg) is None, "1.5 s silent at start-up is no evidence"
+    assert "bound 10.00 s" in (assess(starting, 0, "sync", 110.1, cfg) or ""), "a wedged start is found"
 
 
 def test_a_straggler_is_evicted_only_past_its_own_bound_while_others_wait() -> None:

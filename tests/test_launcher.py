@@ -36,11 +36,11 @@ def test_workers_get_torchrun_and_store_variables_and_the_first_failure_is_the_s
     w = script(tmp_path, "w.py", f"""
 keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
         "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
-        "RESILIENT_COMM_STORE", "RESILIENT_COMM_NAMESPACE", "OMP_NUM_THREADS"]
+        "RESILIENT_COMM_STORE", "RESILIENT_COMM_NAMESPACE", "OMP_NUM_THREADS", "RESILIENT_COMM_TOKEN"]
 json.dump({{k: os.environ.get(k) for k in keys}}, open(os.path.join({str(tmp_path)!r}, "env" + os.environ["RANK"]), "w"))
 sys.exit(3 if os.environ["RANK"] == "2" else 0)
 """)
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "RESILIENT_COMM_TOKEN")}
     out = subprocess.run([*LAUNCHER, "--nproc-per-node", "3", "--rdzv-id", "job7", w], capture_output=True,
                          text=True, timeout=50, check=False, env=env)
     assert out.returncode == 3, out.stderr
@@ -52,6 +52,9 @@ sys.exit(3 if os.environ["RANK"] == "2" else 0)
         assert env["RESILIENT_COMM_NAMESPACE"] == "rc/job7/g0" and env["TORCHELASTIC_RUN_ID"] == "job7"
         assert (env["TORCHELASTIC_USE_AGENT_STORE"], env["TORCHELASTIC_RESTART_COUNT"]) == ("True", "0")
         assert env["OMP_NUM_THREADS"] == "1"
+    # One job token for the job (docs/security.md), 256 random bits, never in the store.
+    tokens = {env["RESILIENT_COMM_TOKEN"] for env in envs}
+    assert len(tokens) == 1 and len(next(iter(tokens)) or "") == 64, tokens
 
 
 @pytest.mark.timeout(60)

@@ -44,6 +44,8 @@ namespace resilient_comm::env {
   X(kAbortBoundMs, "RESILIENT_COMM_ABORT_BOUND_MS", "2000",                                      \
     "longest wait for a communicator abort; past it the process is marked tainted and goes on")  \
   X(kLogLevel, "RESILIENT_COMM_LOG_LEVEL", "warning", "debug, info, warning or error")           \
+  X(kToken, "RESILIENT_COMM_TOKEN", "",                                                          \
+    "the job's secret (resilient-run makes one per single-node job): TCP Hellos carry a MAC of it") \
   X(kHeartbeatMs, "RESILIENT_COMM_HEARTBEAT_MS", "100",                                          \
     "elastic: heartbeat period of every member, in ms")                                          \
   X(kNodeHeartbeatMs, "RESILIENT_COMM_NODE_HEARTBEAT_MS", "200",                                \

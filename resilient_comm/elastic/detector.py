@@ -11,8 +11,8 @@ Three sources of evidence reach the controller:
 3. **Heartbeats**: a *heartbeat thread* beats to the node agent (a Unix socket) every
    ``heartbeat_s`` (~100 ms); the agent judges them (`resilient_comm.elastic.agent`: nodes
    watch each other through one record per node, never a key per rank). A heartbeat carries a
-   sequence number, the rank's step and phase ("compute", "sync", "recovery", "done", or
-   "spare" while a hot spare waits), how long it has been in that phase, the p99 of its
+   sequence number, the rank's step and phase ("start" before its first step, "compute",
+   "sync", "recovery", "done", or "spare" while a hot spare waits), how long it has been in that phase, the p99 of its
    recent step times and the expected cost of its step's collectives.
 
 **Dead vs slow.** A process whose heartbeat advances is alive: it is never declared dead,
@@ -22,7 +22,7 @@ whatever its speed. It is suspected only on one of two adaptive bounds, both der
 knobs, ``RESILIENT_COMM_ALPHA_US`` / ``RESILIENT_COMM_BANDWIDTH_GBPS``, as the TCP transport):
 
 - **silence**: its heartbeat has not advanced for longer than ``bound`` (floor
-  ``silence_floor_s``), seen over at least ``min_silent_reads`` of the observer's own ticks
+  ``silence_floor_s``; ten floors before its first step, `STARTUP_FLOORS`), seen over at least ``min_silent_reads`` of the observer's own ticks
   (so an observer that was descheduled never counts as evidence). A
   SIGSTOPped or wedged process, or a lost host, ends up here; a short stop does not.
 - **straggler**: its heartbeat is live, but it has been computing step ``s`` (or a later one)
@@ -52,8 +52,14 @@ from resilient_comm.elastic.membership import Gone
 
 log = logging.getLogger("resilient_comm.elastic")
 
-PHASES = ("compute", "sync", "recovery", "done", "spare")  # spare: waiting, not a member yet
+PHASES = ("start", "compute", "sync", "recovery", "done", "spare")  # spare: waiting, not a member yet
 WAITING = ("sync", "recovery", "done")  # phases in which a rank waits for the others
+# A rank that has not begun its first step ("start": imports, its state factory, the first
+# group build) is judged silent only past this many silence floors: on a loaded host its first
+# `import torch.optim` can starve its heartbeat thread for over a second (chaos finding 9 of
+# issue #16: healthy ranks evicted at start-up). A death at start-up is the launcher's exit
+# report, at once; only a rank wedged or stopped before its first step waits the longer bound.
+STARTUP_FLOORS = 10
 
 
 @dataclass(frozen=True)
@@ -159,6 +165,8 @@ def silence_why(peer: PeerView, t: float, cfg: DetectorConfig) -> str | None:
         return None  # never beat yet (still starting): the launcher reports a death at start-up
     silent = t - peer.changed_at
     bound = slow_bound_s(peer.p99_s, peer.comm_s, cfg.silence_floor_s, cfg.slow_factor)
+    if peer.phase == "start":
+        bound = max(bound, STARTUP_FLOORS * cfg.silence_floor_s)
     if silent > bound and peer.unchanged_reads >= cfg.min_silent_reads:
         return (f"heartbeat silent for {silent:.2f} s > bound {bound:.2f} s "
                 f"(p99 step {1e3 * peer.p99_s:.1f} ms, comm {1e3 * peer.comm_s:.2f} ms)")
@@ -208,7 +216,7 @@ class Detector:
         self._lock = threading.Condition()
         self._gone: dict[int, Gone] = {}
         self._news = 0  # events received (a decision, the end, a rank gone): spares and waiters block on it
-        self._progress = (-1, "compute", time.monotonic())
+        self._progress = (-1, "start", time.monotonic())
         self._times = StepTimes(config.window)
         self._comm_s = 0.0
         self._stop = threading.Event()

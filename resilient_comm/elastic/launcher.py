@@ -64,6 +64,7 @@ import argparse
 import datetime
 import logging
 import os
+import secrets
 import selectors
 import signal
 import socket
@@ -80,6 +81,7 @@ from resilient_comm.elastic.controller import ENV_NAMESPACE, ENV_SPARE, ENV_STOR
 from resilient_comm.elastic.membership import Decision, Gone, Membership, connect, now
 
 log = logging.getLogger("resilient_comm.launcher")
+ENV_TOKEN = "RESILIENT_COMM_TOKEN"
 
 
 @dataclass
@@ -150,6 +152,14 @@ class Launcher:
         if rdzv_backend not in ("c10d", "etcd"):
             raise ValueError(f"--rdzv-backend {rdzv_backend!r}: c10d (node 0 hosts a TCPStore) or etcd")
         self.run_id = run_id or uuid.uuid4().hex[:8]
+        # The job token (docs/security.md): the transports' Hellos carry a MAC of it, so a
+        # process without it cannot join a communicator. Handed to the workers through their
+        # environment, never the store. One node makes its own; several nodes need the same
+        # one, which only whoever starts them can give them all (RESILIENT_COMM_TOKEN).
+        self.token = os.environ.get(ENV_TOKEN) or (secrets.token_hex(32) if max_nodes == 1 else "")
+        if not self.token:
+            log.warning("no job token: set %s to the same secret on every node, or any process that reaches "
+                        "the workers' ports can join their communicators (docs/security.md)", ENV_TOKEN)
         self.backend = rdzv_backend
         self.store: dist.Store
         if rdzv_backend == "etcd":
@@ -207,6 +217,8 @@ class Launcher:
         })
         if self.backend == "c10d":  # torchrun's agent store (with etcd there is no TCPStore to point at)
             env.update({"MASTER_ADDR": self.host, "MASTER_PORT": str(self.port), "TORCHELASTIC_USE_AGENT_STORE": "True"})
+        if self.token:
+            env[ENV_TOKEN] = self.token
         if self.local_addr and "RESILIENT_COMM_HOST" not in os.environ:
             env["RESILIENT_COMM_HOST"] = self.local_addr
         if spare:

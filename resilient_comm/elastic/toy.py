@@ -223,7 +223,15 @@ def run_elastic(a: argparse.Namespace) -> int:
                          place=info["place"].rank, slot=info["place"].slot, **extra)
 
     nbytes = sum(p.numel() * p.element_size() for p in trainer.params())
-    ctl = Controller(trainer, tp=a.tp, backend=a.backend, start_step=start, comm_bytes=nbytes, hook=hook,
+    def burn_then_state(place: Any) -> Any:
+        """A state factory that costs CPU the way a first `import torch.optim` does: in long C
+        calls that hold the GIL (the heartbeat thread waits for each), here ~0.5 s apiece."""
+        end = time.process_time() + a.startup_burn_ms / 1e3
+        while time.process_time() < end:
+            sum(range(25_000_000))  # one C call: the GIL is not released until it returns
+        return trainer
+
+    ctl = Controller(burn_then_state if a.startup_burn_ms else trainer, tp=a.tp, backend=a.backend, start_step=start, comm_bytes=nbytes, hook=hook,
                      checkpoint_dir=a.ckpt_dir, checkpoint_every=a.ckpt_dir_every)
 
     def train_step(s: Any) -> None:
@@ -361,6 +369,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--batch", type=int, default=8, help="samples per replica and step")
     p.add_argument("--step-ms", type=float, default=0.0, help="extra time per step standing for compute")
+    p.add_argument("--startup-burn-ms", type=float, default=0.0,
+                   help="elastic: CPU the state factory burns (a first import's cost) before step 0")
     p.add_argument("--kill", action="append", default=[], metavar="RANK:STEP:PHASE", help="self-SIGKILL")
     p.add_argument("--mark", action="append", default=[], metavar="RANK:STEP", help="store key at a step's start")
     p.add_argument("--hold", action="append", default=[], metavar="RANK:STEP",

@@ -6,10 +6,12 @@
 #include <sys/socket.h>
 
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
 
 #include "common/check.h"
 #include "common/logging.h"
+#include "transport/tcp/auth.h"
 #include "transport/tcp/resync.h"
 #include "transport/tcp/wire.h"
 
@@ -34,6 +36,17 @@ std::string peerName(int fd) {
   char buf[INET_ADDRSTRLEN] = {0};
   ::inet_ntop(AF_INET, &a.sin_addr, buf, sizeof(buf));
   return std::string(buf) + ":" + std::to_string(ntohs(a.sin_port));
+}
+
+uint64_t helloMac(const JobKey& key, const Hello& h) {
+  return key.mac(&h, offsetof(Hello, mac));
+}
+
+uint64_t answerMac(const JobKey& key, uint8_t answer, const Hello& h) {
+  struct {
+    uint64_t answer, nonce, hash;
+  } covered{answer, h.nonce, h.commHash};
+  return key.mac(&covered, sizeof(covered));
 }
 
 // An accepted connection whose Hello is still arriving.
@@ -84,6 +97,7 @@ Status buildMesh(const MeshSpec& spec, Listener& listener, std::vector<Peer>& pe
                  const Deadline& dl, const AbortToken& abort, int* reused) {
   const int rank = spec.rank;
   const int size = spec.size;
+  const JobKey key = JobKey::fromEnv();
   listener.started(spec.hash);
   std::vector<int> gone;
   *reused = 0;
@@ -125,12 +139,20 @@ Status buildMesh(const MeshSpec& spec, Listener& listener, std::vector<Peer>& pe
     }
     Result<Socket> s = dial(j);
     RC_RETURN_IF_ERROR(s.status());
-    Hello hello{kWireMagic, rank, size, 0, spec.hash};
+    Hello hello{kWireMagic, rank, size, 0, spec.hash, randomNonce(), 0};
+    hello.mac = helloMac(key, hello);
     RC_RETURN_IF_ERROR(writeAll(s.value(), &hello, sizeof(hello), dl, abort));
-    uint8_t answer = 0;
-    Status st = readAll(s.value(), &answer, 1, dl, abort);
+    HelloAnswer reply{};
+    Status st = readAll(s.value(), &reply, sizeof(reply), dl, abort);
     if (st.code() == StatusCode::kAborted || st.code() == StatusCode::kTimeout) {
       return st.withContext("waiting for rank " + std::to_string(j) + " to accept");
+    }
+    const uint8_t answer = reply.answer;
+    if (st.isOk() && key.set() && reply.mac != answerMac(key, answer, hello)) {
+      return Status(StatusCode::kMismatch,
+                    "the listener at " + spec.addrs[j] + " (rank " + std::to_string(j) +
+                        ") does not hold this job's token (RESILIENT_COMM_TOKEN): it is not rank " +
+                        std::to_string(j) + ", or the ranks were given different tokens");
     }
     if (!st.isOk() || answer != kAccepted) {
       return Status(StatusCode::kMismatch,
@@ -210,12 +232,17 @@ Status buildMesh(const MeshSpec& spec, Listener& listener, std::vector<Peer>& pe
                                             << " that is not a resilient_comm peer (bad magic)");
         continue;
       }
+      if (hello.mac != helloMac(key, hello)) {
+        RC_LOG(kWarning, "TCP build (rank " << rank << "): dropped a connection from " << in.from
+                                            << " whose Hello does not carry this job's token (RESILIENT_COMM_TOKEN)");
+        continue;
+      }
       if (hello.commHash != spec.hash && listener.wasStarted(hello.commHash)) {
         continue;  // left in the backlog by an earlier build on this listener, since abandoned
       }
       if (hello.commHash != spec.hash || hello.size != size || hello.rank <= rank || hello.rank >= size) {
-        uint8_t no = kOtherComm;
-        (void)writeAll(in.sock, &no, 1, dl, abort);
+        HelloAnswer no{kOtherComm, {}, answerMac(key, kOtherComm, hello)};
+        (void)writeAll(in.sock, &no, sizeof(no), dl, abort);
         return Status(StatusCode::kMismatch,
                       "a peer connected as rank " + std::to_string(hello.rank) + " of " + std::to_string(hello.size) +
                           " for a different communicator (its member list, color or epoch differs from rank " +
@@ -229,8 +256,8 @@ Status buildMesh(const MeshSpec& spec, Listener& listener, std::vector<Peer>& pe
       if (dup) {
         return Status(StatusCode::kMismatch, "two peers claimed rank " + std::to_string(hello.rank));
       }
-      uint8_t yes = kAccepted;
-      RC_RETURN_IF_ERROR(writeAll(in.sock, &yes, 1, dl, abort));
+      HelloAnswer yes{kAccepted, {}, answerMac(key, kAccepted, hello)};
+      RC_RETURN_IF_ERROR(writeAll(in.sock, &yes, sizeof(yes), dl, abort));
       store(peers, hello.rank, std::move(in.sock), mu, abort);
     }
   }

@@ -41,6 +41,17 @@ struct Hello {
   int32_t size;
   uint32_t pad;
   uint64_t commHash;  // hash of the communicator's store prefix and epoch
+  uint64_t nonce;     // the dialler's, random: the answer's MAC covers it
+  uint64_t mac;       // over the fields above, keyed by the job token (auth.h); 0 without one
 };
+static_assert(sizeof(Hello) == 40, "the Hello is part of the wire format");
+
+// The acceptor's answer to a Hello.
+struct HelloAnswer {
+  uint8_t answer;  // accepted, or building another communicator
+  uint8_t pad[7];
+  uint64_t mac;  // over answer, the Hello's nonce and hash, keyed by the job token; 0 without one
+};
+static_assert(sizeof(HelloAnswer) == 16, "the answer is part of the wire format");
 
 }  // namespace resilient_comm::tcp
