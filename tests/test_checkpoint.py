@@ -174,12 +174,18 @@ def test_sigkill_mid_flush_keeps_the_previous_checkpoint(tmp_path: pathlib.Path)
     ckpt.close()
 
 
+def _saved_twice(tmp_path: pathlib.Path, n: int) -> AsyncCheckpointer:
+    """Rank 0's checkpoints of steps 1 and 2 ({"x": arange(n)}, then twice that)."""
+    ckpt = AsyncCheckpointer(tmp_path, rank=0, keep=5)
+    _save(ckpt, 1, {"x": torch.arange(float(n))})
+    _save(ckpt, 2, {"x": torch.arange(float(n)) * 2})
+    return ckpt
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_damaged_checkpoint_is_named_and_skipped(tmp_path: pathlib.Path, damage: str,
                                                   caplog: pytest.LogCaptureFixture) -> None:
-    ckpt = AsyncCheckpointer(tmp_path, rank=0, keep=5)
-    _save(ckpt, 1, {"x": torch.arange(100.0)})
-    _save(ckpt, 2, {"x": torch.arange(100.0) * 2})
+    ckpt = _saved_twice(tmp_path, 100)
     path = rank_file(tmp_path, 2, 0)
     data = bytearray(pathlib.Path(path).read_bytes())
     if damage == "truncate":
@@ -213,9 +219,7 @@ def test_no_valid_checkpoint_raises(tmp_path: pathlib.Path) -> None:
 @pytest.mark.parametrize("damage", ["deep", "infinite"])
 def test_a_malformed_manifest_is_a_reason_never_an_exception(tmp_path: pathlib.Path, damage: str,
                                                              caplog: pytest.LogCaptureFixture) -> None:
-    ckpt = AsyncCheckpointer(tmp_path, rank=0, keep=5)
-    _save(ckpt, 1, {"x": torch.arange(10.0)})
-    _save(ckpt, 2, {"x": torch.arange(10.0) * 2})
+    ckpt = _saved_twice(tmp_path, 10)
     mpath = pathlib.Path(manifest_file(tmp_path, 2, 0))
     if damage == "deep":  # json.load recurses: RecursionError
         mpath.write_text("[" * 100_000 + "]" * 100_000)
@@ -237,9 +241,7 @@ def test_a_malformed_manifest_is_a_reason_never_an_exception(tmp_path: pathlib.P
 
 def test_a_file_that_verifies_but_does_not_unpickle_falls_back_and_is_the_cause(
         tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
-    ckpt = AsyncCheckpointer(tmp_path, rank=0, keep=5)
-    _save(ckpt, 1, {"x": torch.arange(10.0)})
-    _save(ckpt, 2, {"x": torch.arange(10.0) * 2})
+    ckpt = _saved_twice(tmp_path, 10)
     # Step 2's archive with a pickle that APPENDs to an empty stack (IndexError in torch.load's
     # weights-only unpickler), and a manifest that matches it: only loading can tell.
     path, mpath = pathlib.Path(rank_file(tmp_path, 2, 0)), pathlib.Path(manifest_file(tmp_path, 2, 0))
