@@ -628,7 +628,8 @@ class NodeAgent:
         the record's put or the successor's read: during an election those can each take
         seconds, and a keepalive waiting behind them let a healthy node's lease run out (it
         was fenced). `_last_ok` is the send time of the last refresh answered."""
-        store: Any = self.m.clone(timeout=datetime.timedelta(seconds=self.lease_s / 2)).store
+        m = self.m.clone(timeout=datetime.timedelta(seconds=self.lease_s / 2))
+        store: Any = m.store
         period = self.lease_s / 6
         while not self._stop.is_set():
             t0 = time.monotonic()
@@ -636,7 +637,13 @@ class NodeAgent:
                 if store.keepalive(lease) <= 0:
                     self._fence(f"node {self.node}'s lease expired before the store heard from it again")
                     return
-                self._last_ok = max(self._last_ok, store.answered_sent_at)
+                sent = store.answered_sent_at
+                # A keepalive is no proof of a majority: etcd's leader renews leases on its own,
+                # and a leader cut off with this node went on renewing them until it stepped
+                # down (the node was fenced 21 s after the cut, its lease 8 s). A linearizable
+                # read is answered only by a majority.
+                store.value(m.key("node", self.node))
+                self._last_ok = max(self._last_ok, sent)
             except dist.DistError as e:
                 log.warning("node %d: lease keepalive: no store majority for %.1f s (%s)", self.node,
                             time.monotonic() - self._last_ok, e)

@@ -313,20 +313,22 @@ TEST(nccl_a_healthy_communicator_is_finalized_and_a_finalize_that_never_settles_
   unsetenv("RESILIENT_COMM_ABORT_BOUND_MS");
 }
 
-// Overlap (issue #14): with 5 ms kernels, a launch returns to the host at once, 8 launched back
+// Overlap (issue #14): with 20 ms kernels, a launch returns to the host at once, 8 launched back
 // to back are in flight together (none has completed when the 8th launch returns), and only a
 // host wait waits. A round can lose the race on a loaded host (the 8 launches then take longer
-// than a kernel), so one round of three must show it; a launch that waited for its kernel
+// than a kernel), so one round of four must show it; a launch that waited for its kernel
 // would fail every round.
 TEST(nccl_ops_overlap_the_host) {
   EmulatorOptions o;
-  o.kernelTime = std::chrono::milliseconds(5);
+  // (With 5 ms kernels and 3 rounds a loaded CI machine once took longer than a kernel to
+  // make the 8 launches in every round.)
+  o.kernelTime = std::chrono::milliseconds(20);
   World w = makeWorld(2, o);
   allReady(w);
   std::vector<double> launchUs[2];
   std::atomic<int> overlapped[2] = {0, 0};
   onEachRank(2, [&](int r) {
-    for (int round = 0; round < 3; ++round) {
+    for (int round = 0; round < 4; ++round) {
       std::vector<std::vector<float>> bufs(8, std::vector<float>(16, static_cast<float>(r + 1)));
       std::vector<std::shared_ptr<PendingOp>> ops;
       for (auto& b : bufs) {
