@@ -325,22 +325,22 @@ def test_the_events_thread_goes_past_malformed_events(store: dist.TCPStore) -> N
     the node heard nothing more)."""
     agents = _agents(store, 1, per_node=1)
     got: list[str] = []
-    agents[0].broadcast = got.append  # type: ignore[method-assign]  # what the workers would hear
+    heard = threading.Event()
+
+    def hear(line: str) -> None:  # what the workers would hear
+        got.append(line)
+        heard.set()
+
+    agents[0].broadcast = hear  # type: ignore[method-assign]
     m = Membership(store, "rc/a", 1)
     try:
         agents[0].start()
         store.set(m.key("events", 0), "{garbage")
         store.set(m.key("events", 1), json.dumps({"kind": "gone", "ranks": [0], "gone": [{"rank": "x"}]}))
         m.post_event({"kind": "finished"})
-        deadline = time.monotonic() + 5
-        while agents[0].events_read < 3:
-            assert time.monotonic() < deadline, f"the events thread read {agents[0].events_read} events"
-            time.sleep(0.01)  # polling the agent's counter (the thing measured)
-        deadline = time.monotonic() + 5
-        while not got:
-            assert time.monotonic() < deadline, "the good event was not forwarded"
-            time.sleep(0.01)
+        assert heard.wait(5), f"nothing forwarded; the events thread read {agents[0].events_read} events"
     finally:
         agents[0].stop()
+    assert agents[0].events_read == 3
     assert got == ['ev {"kind":"finished"}'], got
     assert not agents[0].procs[0].done, "a malformed gone event took a process out"

@@ -392,9 +392,8 @@ class Controller:
             self._state = self._state_arg(self.place)  # type: ignore[operator]
 
     def steps(self, total: int) -> Iterator[Step]:
-        """Steps to run until every member has committed step total-1; recoveries move
-        `next_step` (the iterator follows it), and a member that finished helps any late
-        recovery before it returns."""
+        """Steps until every member committed step total-1 (recoveries move `next_step`; a
+        member that finished helps any late recovery before it returns)."""
         while not self._idle:
             if self.next_step < total:
                 yield Step(self, self.next_step)
@@ -612,10 +611,8 @@ class Controller:
             if time.monotonic() > deadline:
                 raise RecoveryError(f"no decision for epoch {epoch} before the deadline (waiting on {live})")
             if live and live[0] == self.rank:
-                # One call for every live member's join, whatever their number (a wait the
-                # store answers, or a check on etcd); the records are read once they are all
-                # there, the lost ranks' evidence with them. The wait is short: a rank lost
-                # meanwhile changes who is live.
+                # Every live member's join at once (Membership.complete); the wait is short: a
+                # rank lost meanwhile changes who is live.
                 complete = self._m.complete(epoch, base.members, live, wait_s=min(0.1, self._timeout.total_seconds()))
                 if complete is not None:
                     d = self._m.decide(self._decide(epoch, base, *complete))
