@@ -177,6 +177,23 @@ def test_eight_ranks_starved_of_cpu_at_start_up_are_not_evicted(tmp_path: Any) -
 
 
 @pytest.mark.timeout(120)
+def test_a_worker_killed_after_its_last_vote_counted_leaves_a_finished_job_with_status_0(tmp_path: Any) -> None:
+    """Chaos finding 10 of issue #16: rank 1 SIGKILLs itself once the last step committed (its
+    vote counted); the others finish without a recovery. resilient-run exited 137 (the dead
+    rank belonged to the last decision): a scheduler saw a finished job as failed."""
+    victim = 1
+    job = ToyJob(WORLD, ["--steps", str(STEPS), "--kill", f"{victim}:{STEPS - 1}:committed"], str(tmp_path)).start()
+    status = job.wait(100)
+    assert [e["rank"] for e in job.events() if e["event"] == "kill"] == [victim]
+    assert status == 0, f"launcher status {status} for a job that finished"
+    commits = commits_by_rank(job)  # the victim dies in the hook, before its event for the last step
+    assert commits == {r: list(range(STEPS if r != victim else STEPS - 1)) for r in range(WORLD)}, commits
+    m = Membership(job.launcher.client(), job.launcher.namespace)
+    assert m.finished() and m.epoch() == 0, "no recovery: the job finished with the victim counted gone"
+    assert m.gone([victim])[victim].detail == "killed by SIGKILL"
+
+
+@pytest.mark.timeout(120)
 def test_sigstop_shorter_than_the_slow_bound_evicts_nobody(tmp_path: Any) -> None:
     victim, hold = 1, 0.3  # the silence bound is at least 1 s (DetectorConfig.silence_floor_s)
     job = ToyJob(WORLD, ["--steps", str(STEPS), "--mark", f"{victim}:15"], str(tmp_path)).start()

@@ -315,6 +315,44 @@ def test_grow_with_a_joiner_then_split_stay_on_the_nccl_path(device_before: bool
             assert calls == {"inits": 1, "grows": 0, "splits": 1}, (res.rank, calls)
 
 
+def _grow_with_a_late_joiner(ctx: WorkerContext, existing: int) -> dict:
+    import resilient_comm
+    from resilient_comm import _C
+
+    _emulate(RESILIENT_COMM_NCCL_EMULATE_KERNEL_US="200")
+    store = ctx.store()
+    if ctx.rank < existing:
+        dist.init_process_group("resilient_nccl", store=dist.PrefixStore("world/", store), rank=ctx.rank,
+                                world_size=existing, timeout=datetime.timedelta(seconds=20))
+        dist.all_reduce(torch.ones(8))  # the group's NCCL communicator exists: it grows
+        resilient_comm.grow(ctx.world_size, store, "grow/1/")  # the old group is destroyed here
+        store.set(f"grown/{ctx.rank}", "1")
+    else:
+        # The joiner comes only after every member's grow returned and dropped the old group, so
+        # the members' ncclCommGrow children are still bootstrapping over their parents then.
+        store.wait([f"grown/{r}" for r in range(existing)], datetime.timedelta(seconds=20))
+        resilient_comm.join(store, "grow/1/", ctx.rank, ctx.world_size, existing,
+                            timeout=datetime.timedelta(seconds=20))
+    x = torch.full((64,), float(ctx.rank + 1))
+    dist.all_reduce(x)
+    stats = _C.nccl_emulator_stats()
+    dist.destroy_process_group()
+    return {"sum": x[0].item(), "misuse": stats["misuse"], "grows": stats["grows"]}
+
+
+@pytest.mark.timeout(60)
+def test_the_parent_of_a_grow_lives_until_the_grown_communicator_is_ready() -> None:
+    # NCCL's bootstrapInit sends through parent->bootstrap until the grown communicator is
+    # ready, and its guide destroys the parent only after the grow completed. Freeing it when
+    # the old group went away crashed a member (SIGSEGV) or failed the first op once in ~15 runs.
+    results = run_workers(_grow_with_a_late_joiner, 4, 3, timeout_s=40)
+    for res in results:
+        assert res.ok, res.error
+        assert res.value["sum"] == 1 + 2 + 3 + 4, res.value
+        assert res.value["misuse"] == 0, f"rank {res.rank}: the parent was finalized during the grow"
+        assert res.value["grows"] == 1, res.value
+
+
 def _split_before_any_device_op(ctx: WorkerContext) -> dict:
     import resilient_comm
 

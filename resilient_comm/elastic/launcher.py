@@ -391,11 +391,28 @@ class Launcher:
             return False
 
     def _status(self) -> int:
-        """The status of this node's workers that belong to the last membership decision."""
+        """The status of this node's workers that belong to the last membership decision. Once
+        the job finished, a member killed by a signal is no failure: every member had committed
+        the last step (its vote counted) or been counted gone by the others, so the job is
+        whole (a scheduler must not see a finished job as failed). Its own non-zero exit still
+        counts (an error after training, say in saving the model, is the user's to see)."""
         d = self._last_decision()
         members = None if d is None or d.mode == "fail" else set(d.members)
         judged = [w for w in self.workers if (members is None and not w.spare) or (members and w.rank in members)]
+        killed = [w for w in judged if w.status is not None and (w.proc.returncode or 0) < 0]
+        if killed and members is not None and self._finished():
+            for w in killed:
+                log.info("worker %d was %s after the job finished: not a failure", w.rank,
+                         describe_status(w.proc.returncode))
+            judged = [w for w in judged if w not in killed]
         return next((w.status for w in judged if w.status), 0) or 0
+
+    def _finished(self) -> bool:
+        try:
+            return self.membership().finished()
+        except dist.DistError as e:
+            log.error("could not read whether the job finished: the store failed (%s)", e)
+            return False
 
     def _node_done(self) -> None:
         """Node 0 hosts the store: it waits for every other node on the ring -- initial, or a

@@ -188,8 +188,11 @@ Result<std::shared_ptr<Communicator>> NcclCommunicator::grow(int newSize, const 
       },
       dl));
   // ncclCommGrow writes the child's handle at the call and finishes it on the child: start()
-  // settles it.
-  child->start([](NcclCommunicator&, const Deadline&) { return Status::ok(); }, dl);
+  // settles it. The child's bootstrap goes through the parent's (bootstrap.cc bootstrapInit), and
+  // NCCL's guide destroys the parent only once the grow completed: the plan holds the parent
+  // until then, though its group is destroyed as soon as grow() returns.
+  std::shared_ptr<NcclCommunicator> self = shared_from_this();
+  child->start([self](NcclCommunicator&, const Deadline&) { return Status::ok(); }, dl);
   return std::shared_ptr<Communicator>(child);
 }
 

@@ -50,6 +50,7 @@ struct EmuComm {
   int inNet = 0;               // kernels inside a network op right now
   std::string lastError;       // what the last asynchronous failure said
   std::vector<EmuComm*> childrenInInit;  // a split/shrink child being built (the parent's abort stops it)
+  int growsInInit = 0;  // ncclCommGrow children still bootstrapping over this (the parent's) network
 
   ncclResult_t asyncError() const {
     int r = result.load();

@@ -224,6 +224,20 @@ void NcclEmulator::State::drain(EmuComm* c, bool jobsToo) {
   c->cv.wait(lock, [&] { return c->kernels == 0 && (!jobsToo || c->jobs == 0); });
 }
 
+void NcclEmulator::State::checkNoGrowInInit(EmuComm* c, const char* call) {
+  int grows = 0;
+  {
+    std::lock_guard<std::mutex> lock(c->mu);
+    grows = c->growsInInit;
+  }
+  if (grows > 0) {
+    ++stats->misuse;
+    RC_LOG(kError, "NCCL emulator: " << call << " of " << c->name << " while " << grows
+                                     << " ncclCommGrow child(ren) still bootstrap over it (undefined behaviour with "
+                                     << "the real NCCL: destroy the parent once the grow completed)");
+  }
+}
+
 void NcclEmulator::State::free(EmuComm* c) {
   std::shared_ptr<tcp::TcpCommunicator> net;
   {

@@ -72,6 +72,10 @@ struct NcclEmulator::State : std::enable_shared_from_this<NcclEmulator::State> {
   // Waits until the kernels of `c` left the streams (and its jobs ended, with jobsToo).
   void drain(emu::EmuComm* c, bool jobsToo);
   void free(emu::EmuComm* c);
+  // ncclCommAbort/Destroy/Finalize of a parent while an ncclCommGrow child still bootstraps over
+  // it (bootstrap.cc bootstrapInit uses parent->bootstrap; NCCL's guide: destroy the parent after
+  // the grow completed): counted as misuse and logged. The child's job fails, never crashes.
+  void checkNoGrowInInit(emu::EmuComm* c, const char* call);
   // A split/shrink job's end: builds the child over `child`, writes it into `out`, settles both.
   void finishChild(emu::EmuComm* parent, Result<std::shared_ptr<Communicator>> child, ncclComm_t* out, bool blocking);
   const char* lastError(ncclComm_t comm);

@@ -145,6 +145,7 @@ ncclResult_t NcclEmulator::commAbort(ncclComm_t comm) {
   if (c == nullptr) {
     return ncclInvalidArgument;
   }
+  state_->checkNoGrowInInit(c, "ncclCommAbort");
   ++stats_->aborts;
   state_->raiseAbort(c, "ncclCommAbort");
   if (options_.abortHangs) {
@@ -165,6 +166,7 @@ ncclResult_t NcclEmulator::commDestroy(ncclComm_t comm) {
   if (c == nullptr) {
     return ncclInvalidArgument;
   }
+  state_->checkNoGrowInInit(c, "ncclCommDestroy");
   ncclResult_t r = state_->ensureReady(c, "ncclCommDestroy");
   if (r != ncclSuccess) {
     return r;
@@ -183,6 +185,7 @@ ncclResult_t NcclEmulator::commFinalize(ncclComm_t comm) {
   if (c == nullptr) {
     return ncclInvalidArgument;
   }
+  state_->checkNoGrowInInit(c, "ncclCommFinalize");
   ncclResult_t r = state_->ensureReady(c, "ncclCommFinalize");
   if (r != ncclSuccess) {
     return state_->markFailed(c, r);
@@ -363,14 +366,28 @@ ncclResult_t NcclEmulator::commGrow(ncclComm_t comm, int nranks, const ncclUniqu
   if (id != nullptr) {
     mine = *id;
   }
-  state_->startJob(c, [st = state_, p, c, mine]() mutable {
+  // The child bootstraps over the parent until it is ready (bootstrap.cc bootstrapInit: ranks
+  // exchange their ring addresses through parent->bootstrap): the parent must live until then.
+  std::shared_ptr<tcp::TcpCommunicator> parentNet;
+  if (p != nullptr) {
+    std::lock_guard<std::mutex> lock(p->mu);
+    ++p->growsInInit;
+    parentNet = p->net;
+  }
+  state_->startJob(c, [st = state_, p, c, mine, parentNet]() mutable {
     Status s = Status::ok();
-    if (p != nullptr) {  // the coordinator's id reaches every existing rank over the parent
+    if (p != nullptr && parentNet == nullptr) {
+      s = Status(StatusCode::kInternal, "ncclCommGrow: the parent has no network");
+    } else if (p != nullptr) {  // the coordinator's id reaches every existing rank over the parent
       std::lock_guard<std::mutex> busy(p->netMu);
-      s = p->network()->broadcast(mine.internal, sizeof(mine.internal), DataType::kUInt8, 0, Deadline::never());
+      s = parentNet->broadcast(mine.internal, sizeof(mine.internal), DataType::kUInt8, 0, Deadline::never());
     }
     if (s.isOk()) {
       s = bootstrap(c, mine);
+    }
+    if (p != nullptr) {
+      std::lock_guard<std::mutex> lock(p->mu);
+      --p->growsInInit;
     }
     st->settle(c, s);
   });
