@@ -1,4 +1,4 @@
-"""The `resilient-comm` command: demo, bench {checkpoint,collectives,control-plane,nccl,overhead,primitives,recovery}, sim, doctor."""
+"""The `resilient-comm` command: demo, bench {checkpoint,collectives,control-plane,nccl,overhead,primitives,recovery}, chaos, sim, doctor."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="resilient-comm", description="fault-tolerant torch.distributed backend")
-    p.add_argument("command", choices=["demo", "bench", "sim", "doctor"], help="what to run")
+    p.add_argument("command", choices=["demo", "bench", "chaos", "sim", "doctor"], help="what to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the command (try --help after it)")
     a = p.parse_args(argv[:1])
     rest = argv[1:]
@@ -17,6 +17,8 @@ def main(argv: list[str] | None = None) -> int:
         from resilient_comm.demo import main as run
     elif a.command == "doctor":
         from resilient_comm.doctor import main as run
+    elif a.command == "chaos":
+        from resilient_comm.chaos import main as run
     elif a.command == "sim":
         from resilient_comm.sim import main as run
     else:
