@@ -14,6 +14,7 @@ SETS=("$@")
 [ ${#SETS[@]} -gt 0 ] || SETS=(address,undefined thread)
 JOBS=${JOBS:-$(nproc)}
 status=0
+mkdir -p build-sanitize
 for san in "${SETS[@]}"; do
   dir="build-sanitize/${san//,/-}"
   echo "[sanitize] $san: building rc_cpp_tests in $dir"

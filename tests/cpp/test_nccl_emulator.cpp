@@ -103,7 +103,8 @@ TEST(emulator_split_writes_the_child_late_and_a_nocolor_rank_gets_null) {
     ncclConfig_t cfg = nb();
     int color = r == 2 ? kNcclSplitNoColor : 0;
     CHECK(api.commSplit(comms[r], color, r, &children[r], &cfg) == ncclInProgress);
-    CHECK(children[r] == nullptr) << "the child is NULL when the call returns";
+    // NCCL stores the child from its own thread (COMPILER_ATOMIC_STORE): read it atomically too.
+    CHECK(__atomic_load_n(&children[r], __ATOMIC_ACQUIRE) == nullptr) << "the child is NULL when the call returns";
     CHECK(settled(api, comms[r]) == ncclSuccess);
   });
   CHECK(children[0] != nullptr && children[1] != nullptr && children[2] == nullptr);

@@ -29,6 +29,15 @@ Status NcclHandle::acquire(const Deadline& dl, AbortToken& abort) {
   }
 }
 
+ncclComm_t NcclHandle::commInTurn(const Deadline& dl, AbortToken& abort) {
+  if (!acquire(dl, abort).isOk()) {
+    return nullptr;
+  }
+  ncclComm_t c = comm();
+  releaseTurn();
+  return c;
+}
+
 void NcclHandle::takeTurnForGood() {
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [&] { return !busy_; });

@@ -49,6 +49,9 @@ class NcclHandle : public std::enable_shared_from_this<NcclHandle> {
   ncclComm_t comm() const {
     return __atomic_load_n(&comm_, __ATOMIC_ACQUIRE);
   }
+  // The handle, read in turn: no call that may write it runs meanwhile (NCCL's write at the
+  // call is a plain store). Null if the turn cannot be had (aborting, or busy past dl).
+  ncclComm_t commInTurn(const Deadline& dl, AbortToken& abort);
   // Where NCCL writes this handle (init, or the child of a split, shrink or grow).
   ncclComm_t* slot() {
     return &comm_;

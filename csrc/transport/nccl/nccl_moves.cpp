@@ -69,7 +69,8 @@ Result<std::shared_ptr<Communicator>> NcclCommunicator::shrink(const std::vector
     finish();  // its users are done with it; NCCL's communicator is kept for the shrink
   }
   std::shared_ptr<NcclCommunicator> self = shared_from_this();
-  const bool native = features_.shrink && handle_->comm() != nullptr && !handle_->aborting();
+  AbortToken look;  // this communicator's own token fired if it failed; the look still happens
+  const bool native = features_.shrink && handle_->commInTurn(dl, look) != nullptr && !handle_->aborting();
   if (!native) {
     if (failed) {
       disposed_ = true;
