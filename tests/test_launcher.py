@@ -199,6 +199,12 @@ if not os.environ.get("RESILIENT_COMM_SPARE"):
     node1 = Launcher([sys.executable, w], 2, nnodes=1, max_nodes=2, node_rank=1, endpoint=endpoint, run_id="cap")
     assert node1.capacity and node1.spares == 2 and not node0.capacity
     status[1] = node1.run()  # its spares end at once (a plain script): so does the node
+    # Node 0's spare must have started (and written its environment) before the job ends, or it
+    # is stopped as not needed first: seen on a loaded CI machine.
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "env2").exists():
+        assert time.monotonic() < deadline, "node 0's spare never started"
+        time.sleep(0.01)  # pacing of a poll the spare's file ends
     for r in (0, 1):
         with open(tmp_path / f"go{r}", "w") as f:
             f.write("go\n")
