@@ -140,21 +140,18 @@ class Reference:
         import torch
 
         state = self.trace[self.steps - 1]
-        start = None
         for i, (resume, streams) in enumerate(segments):
             key = tuple((step, tuple(ids)) for step, ids in segments[: i + 1])
             end = segments[i + 1][0] if i + 1 < len(segments) else self.steps
             if key not in self._cache:
-                base = self.trace[resume - 1] if start is None else start
                 self._runs += 1
                 name = f"ref-{self._runs}"
                 src, trace = os.path.join(self.workdir, f"{name}-start.pt"), os.path.join(self.workdir, f"{name}.pt")
-                torch.save(base, src)
+                torch.save(self.trace[resume - 1] if i == 0 else state, src)
                 self._run(len(streams), ["--steps", str(end), "--resume-from", src, "--trace", trace,
                                          "--data-ids", ",".join(map(str, streams))], name)
                 self._cache[key] = torch.load(trace, weights_only=False)[end - 1]
-            start = self._cache[key]
-            state = start
+            state = self._cache[key]
         return state["state"]
 
 
