@@ -128,12 +128,19 @@ class Reference:
         self._cache: dict[tuple, Any] = {}
 
     def _run(self, nproc: int, args: list[str], name: str) -> None:
+        """One fault-free run. A run that had a recovery of its own (a rank starved long enough to
+        be suspected on a loaded machine) is not a reference: it is run again."""
         from resilient_comm.elastic.toy import ToyJob
 
-        job = ToyJob(nproc, args if "--steps" in args else ["--steps", str(self.steps), *args],
-                     os.path.join(self.workdir, name), quiet=True).start()
-        if job.wait(self.timeout_s) != 0:
-            raise RuntimeError(f"the fault-free reference run {name} failed: {job.events()[-3:]}")
+        for attempt in range(3):
+            job = ToyJob(nproc, args if "--steps" in args else ["--steps", str(self.steps), *args],
+                         os.path.join(self.workdir, name if attempt == 0 else f"{name}-again{attempt}"),
+                         quiet=True).start()
+            status = job.wait(self.timeout_s)
+            events = job.events()
+            if status == 0 and not any(e["event"] in ("restored", "evicted", "failed") for e in events):
+                return
+        raise RuntimeError(f"the fault-free reference run {name} failed 3 times; last: {events[-3:]}")
 
     def final(self, segments: list[tuple[int, list[int]]]) -> Any:
         """The state after the last step of a run that resumed at each (step, data streams)."""
@@ -141,8 +148,11 @@ class Reference:
 
         state = self.trace[self.steps - 1]
         for i, (resume, streams) in enumerate(segments):
-            key = tuple((step, tuple(ids)) for step, ids in segments[: i + 1])
             end = segments[i + 1][0] if i + 1 < len(segments) else self.steps
+            if not 0 < resume < end:
+                raise ValueError(f"segment {i} resumes at step {resume}, not within (0, {end}): {segments}")
+            # A segment's result depends on where it ends as much as on what came before it.
+            key = (tuple((step, tuple(ids)) for step, ids in segments[: i + 1]), end)
             if key not in self._cache:
                 self._runs += 1
                 name = f"ref-{self._runs}"
@@ -150,7 +160,10 @@ class Reference:
                 torch.save(self.trace[resume - 1] if i == 0 else state, src)
                 self._run(len(streams), ["--steps", str(end), "--resume-from", src, "--trace", trace,
                                          "--data-ids", ",".join(map(str, streams))], name)
-                self._cache[key] = torch.load(trace, weights_only=False)[end - 1]
+                steps = torch.load(trace, weights_only=False)
+                if sorted(steps) != list(range(resume, end)):
+                    raise RuntimeError(f"reference run {name} traced steps {sorted(steps)}, not {resume}..{end - 1}")
+                self._cache[key] = steps[end - 1]
             state = self._cache[key]
         return state["state"]
 
@@ -224,8 +237,8 @@ def run_trial(t: Trial, world: int, steps: int, workdir: str, timeout_s: float, 
             out.fail(f"replicas {shard} differ")
     if t.tp == 1 and not out.divergent:
         try:
-            want = ref.final(_segments(decisions, t))
-        except (RuntimeError, OSError, TimeoutError) as e:
+            want = ref.final(_segments(decisions, steps))
+        except (RuntimeError, ValueError, OSError, TimeoutError) as e:
             out.fail(f"no reference: {e}")
             return out
         if not same_state(finals[alive[0]]["state"], want):
@@ -234,7 +247,7 @@ def run_trial(t: Trial, world: int, steps: int, workdir: str, timeout_s: float, 
     return out
 
 
-def _segments(decisions: list[Any], t: Trial) -> list[tuple[int, list[int]]]:
+def _segments(decisions: list[Any], steps: int) -> list[tuple[int, list[int]]]:
     """(resume step, data streams) of each recovery that changed the data streams."""
     segs: list[tuple[int, list[int]]] = []
     streams = list(range(len(decisions[0].members)))
@@ -245,7 +258,8 @@ def _segments(decisions: list[Any], t: Trial) -> list[tuple[int, list[int]]]:
                 segs.pop()  # a recovery of the recovery: nothing ran with the streams in between
             segs.append((d.resume_step, now))
             streams = now
-    return segs
+    # A recovery after the last step (its vote counted) ran nothing with its streams.
+    return [sg for sg in segs if sg[0] < steps]
 
 
 def _replica_partners(t: Trial, world: int) -> set[int]:

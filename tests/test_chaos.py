@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from resilient_comm import chaos
+from resilient_comm.testing.harness import same_state
 
 
 @pytest.mark.timeout(240)
@@ -54,6 +55,22 @@ def test_a_trial_that_ends_away_from_the_reference_is_divergent(tmp_path: Any) -
     bad = chaos.run_trial(t, 4, 16, str(tmp_path / "bad"), 100.0, _WrongReference(ref))  # type: ignore[arg-type]
     assert not bad.ok and bad.divergent, bad
     assert bad.problems == ["the final state differs from the fault-free reference"], bad.problems
+
+
+@pytest.mark.timeout(180)
+def test_a_reference_segment_is_cached_by_where_it_ends_too(tmp_path: Any) -> None:
+    # Seen in a 200-trial run: one trial's segment (step 4, streams [0, 2]) to the end was
+    # reused by a later trial whose same segment ended at step 8, when another recovery began.
+    ref = chaos.Reference(3, 12, str(tmp_path / "ref"), 100.0)
+    ref.final([(4, [0, 2])])
+    two = [(4, [0, 2]), (8, [0])]
+    after = ref.final(two)
+    fresh = chaos.Reference.__new__(chaos.Reference)
+    fresh.__dict__.update(ref.__dict__, _cache={}, workdir=str(tmp_path / "ref"))
+    assert same_state(after, fresh.final(two))
+    assert not same_state(after, ref.final([(4, [0, 2])]))
+    with pytest.raises(ValueError, match="resumes at step 12"):
+        ref.final([(12, [0])])
 
 
 def test_draws_are_seeded_and_bad_arguments_are_refused(capsys: Any) -> None:
