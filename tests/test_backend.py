@@ -252,17 +252,36 @@ def _cross_rank_mismatch(ctx: WorkerContext, case: str) -> tuple[str, str, float
                 dist.all_reduce(torch.ones(8))
         elif case == "count":
             dist.all_gather_into_tensor(torch.empty(ctx.world_size * (9 if other else 8)), torch.ones(9 if other else 8))
+        elif case == "root_alone":  # the root only sends: it learns of the mismatch from a confirmation
+            if ctx.rank == 0:
+                dist.broadcast(torch.ones(8), src=0)
+            else:
+                dist.all_reduce(torch.ones(8))
+        elif case == "scatter_root":
+            if ctx.rank == 0:
+                dist.scatter(torch.empty(8), [torch.ones(8)] * ctx.world_size, src=0)
+            else:
+                dist.all_reduce(torch.ones(8))
+        elif case == "gather_leaves":
+            if ctx.rank == 0:
+                dist.all_reduce(torch.ones(8))
+            else:
+                dist.gather(torch.ones(8), dst=0)
+        elif case == "root":  # same op and size, another root
+            dist.broadcast(torch.ones(8), src=1 if other else 0)
         return ("none", "", time.monotonic() - start)
     except dist.DistBackendError as e:
         return (type(e).__name__, str(e), time.monotonic() - start)
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("case", ["dtype", "op", "kind", "count"])
+@pytest.mark.parametrize("case", ["dtype", "op", "kind", "count", "root_alone", "scatter_root", "gather_leaves", "root"])
 def test_ranks_that_disagree_get_a_mismatch_error_on_every_rank(case: str) -> None:
     for r in run_workers(_cross_rank_mismatch, 3, case, timeout_s=40):
         assert r.ok, r.error
         kind, text, elapsed = r.value
+        if case == "root" and r.rank == 2 and kind == "none":
+            continue  # it asked rank 0 for its data and got it; its next op reads rank 1's frame
         assert kind == "CommMismatchError", f"rank {r.rank}: {kind} {text}"
         assert "every rank must call the same collectives" in text, text
         assert elapsed < 5.0, f"rank {r.rank} took {elapsed:.2f} s"

@@ -407,7 +407,7 @@ Status TcpCommunicator::ready(const Deadline& dl) {
 }
 
 template <typename Fn>
-Status TcpCommunicator::collective(OpKind op, DataType dt, RedOp redop, const Deadline& dl, Fn&& body) {
+Status TcpCommunicator::collective(OpKind op, DataType dt, RedOp redop, const Deadline& dl, Fn&& body, int root) {
   const uint64_t seq = seq_++;
   const std::string where = std::string(opKindName(op)) + " #" + std::to_string(seq) + " on group '" + opts_.name +
                             "' rank " + std::to_string(opts_.rank);
@@ -415,7 +415,7 @@ Status TcpCommunicator::collective(OpKind op, DataType dt, RedOp redop, const De
   if (redop == RedOp::kAvg && !isFloatingPoint(dt)) {
     return Status(StatusCode::kInvalidArgument, std::string("avg needs a floating-point dtype, got ") + dataTypeName(dt));
   }
-  AlgoContext ctx{peers_, opts_.rank, opts_.size, MsgMeta{op, dt, redop, seq, 0, meshHash()}, dl, abort_, scratch_,
+  AlgoContext ctx{peers_, opts_.rank, opts_.size, MsgMeta{op, dt, redop, seq, rootTag(root), meshHash()}, dl, abort_, scratch_,
                   model_.chunkBytes};
   return fail(body(ctx), where);
 }
@@ -446,7 +446,7 @@ Status TcpCommunicator::broadcast(void* buf, size_t count, DataType dt, int root
       return chainBroadcast(c, buf, bytes, root);
     }
     return binomialBroadcast(c, buf, bytes, root);
-  });
+  }, root);
 }
 
 Status TcpCommunicator::reduce(void* buf, size_t count, DataType dt, RedOp op, int root, const Deadline& dl) {
@@ -464,7 +464,7 @@ Status TcpCommunicator::reduce(void* buf, size_t count, DataType dt, RedOp op, i
       return ringReduce(c, acc, count, dt, op, root);
     }
     return binomialReduce(c, acc, count, dt, op, root);
-  });
+  }, root);
 }
 
 Status TcpCommunicator::allGather(const void* send, void* recv, size_t count, DataType dt, const Deadline& dl) {
@@ -530,7 +530,7 @@ Status TcpCommunicator::gather(const void* send, void* recv, size_t count, DataT
   RC_RETURN_IF_ERROR(checkRoot(root, "gather"));
   return collective(OpKind::kGather, dt, RedOp::kSum, dl, [&](const AlgoContext& c) {
     return directGather(c, send, recv, count * dataTypeSize(dt), root);
-  });
+  }, root);
 }
 
 Status TcpCommunicator::scatter(const void* send, void* recv, size_t count, DataType dt, int root,
@@ -538,7 +538,7 @@ Status TcpCommunicator::scatter(const void* send, void* recv, size_t count, Data
   RC_RETURN_IF_ERROR(checkRoot(root, "scatter"));
   return collective(OpKind::kScatter, dt, RedOp::kSum, dl, [&](const AlgoContext& c) {
     return directScatter(c, send, recv, count * dataTypeSize(dt), root);
-  });
+  }, root);
 }
 
 Status TcpCommunicator::barrier(const Deadline& dl) {

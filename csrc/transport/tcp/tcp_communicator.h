@@ -152,7 +152,9 @@ class TcpCommunicator : public CommLifecycle, public std::enable_shared_from_thi
   // Every collective: checks the state, assigns a sequence number, and on failure records the
   // first error and tears the connections down (see Transfer's failure-propagation note).
   template <typename Fn>
-  Status collective(OpKind op, DataType dt, RedOp redop, const Deadline& dl, Fn&& body);
+  // `root`: a rooted collective's root, which its headers carry (wire.h), so that ranks that
+  // disagree on it fail instead of relaying the wrong rank's data.
+  Status collective(OpKind op, DataType dt, RedOp redop, const Deadline& dl, Fn&& body, int root = -1);
   Status checkRoot(int root, const char* what) const;
   Status fail(const Status& st, const std::string& where);
   Status ready(const Deadline& dl);

@@ -36,6 +36,8 @@ std::string describeHeader(const WireHeader& h) {
   }
   if (static_cast<OpKind>(h.op) == OpKind::kSendRecv) {
     s += ", tag " + std::to_string(h.tag);
+  } else if (h.tag != 0) {
+    s += ", root " + std::to_string(h.tag - 1);
   }
   return s + ")";
 }
@@ -71,6 +73,15 @@ WireHeader Transfer::header(size_t bytes, uint64_t seq, uint64_t tag) const {
 
 void Transfer::send(int peer, const void* buf, size_t bytes) {
   sendP2P(peer, buf, bytes, meta_.seq, meta_.tag);
+}
+
+void Transfer::sendConfirmed(int peer, const void* buf, size_t bytes) {
+  WireHeader h = header(bytes, meta_.seq, meta_.tag);
+  h.kind = static_cast<uint8_t>(MsgKind::kDataAck);
+  q_[peer].sends.push_back(SendItem{h, static_cast<const char*>(buf), 0});
+  WireHeader ack = header(0, meta_.seq, meta_.tag);
+  ack.kind = static_cast<uint8_t>(MsgKind::kAck);
+  q_[peer].recvs.push_back(RecvItem{ack, {}, nullptr, 0, false, nullptr});
 }
 
 void Transfer::sendP2P(int peer, const void* buf, size_t bytes, uint64_t seq, uint64_t tag) {
@@ -143,14 +154,25 @@ Status Transfer::checkHeader(int peer, RecvItem& item) {
   if (g.kind == static_cast<uint8_t>(MsgKind::kError)) {
     return peerError(peer, item);
   }
+  const bool wantAck = e.kind == static_cast<uint8_t>(MsgKind::kAck);
+  const bool isAck = g.kind == static_cast<uint8_t>(MsgKind::kAck);
+  const bool isData = g.kind == static_cast<uint8_t>(MsgKind::kData) || g.kind == static_cast<uint8_t>(MsgKind::kDataAck);
   if (g.op != e.op || g.seq != e.seq || g.bytes != e.bytes || g.dtype != e.dtype || g.redop != e.redop ||
-      g.tag != e.tag) {
+      g.tag != e.tag || wantAck != isAck || !(isAck || isData)) {
+    const std::string want = wantAck ? std::string("its confirmation of ") + opKindName(static_cast<OpKind>(e.op)) + " #" +
+                                           std::to_string(e.seq)
+                                     : describeHeader(e);
     return Status(StatusCode::kMismatch,
-                  "rank " + std::to_string(peer) + " sent " + describeHeader(g) + " where rank " +
-                      std::to_string(self_) + " expected " + describeHeader(e) +
+                  "rank " + std::to_string(peer) + " sent " + (isAck ? "a confirmation of " : "") + describeHeader(g) +
+                      " where rank " + std::to_string(self_) + " expected " + want +
                       "; every rank must call the same collectives in the same order with matching tensors");
   }
   item.checked = true;
+  if (g.kind == static_cast<uint8_t>(MsgKind::kDataAck)) {
+    WireHeader ack = header(0, g.seq, g.tag);
+    ack.kind = static_cast<uint8_t>(MsgKind::kAck);
+    q_[peer].sends.push_back(SendItem{ack, nullptr, 0});  // sent before this op ends (run)
+  }
   return Status::ok();
 }
 
@@ -259,11 +281,13 @@ Status Transfer::progressFence(int peer) {
   return fenceVerdict(p, peer, std::move(after));
 }
 
-void Transfer::markDirty() {
+void Transfer::markDirty(bool sending) {
   for (size_t p = 0; p < q_.size(); ++p) {
     const Queues& q = q_[p];
-    if ((!q.sends.empty() && q.sends.front().done != 0) || (!q.recvs.empty() && q.recvs.front().done != 0) ||
-        (peers_[p].fence != 0 && peers_[p].fenceGot != 0)) {
+    const bool mid = sending ? !q.sends.empty() && q.sends.front().done != 0
+                             : (!q.recvs.empty() && q.recvs.front().done != 0) ||
+                                   (peers_[p].fence != 0 && peers_[p].fenceGot != 0);
+    if (mid) {
       peers_[p].dirty = true;
     }
   }
@@ -486,10 +510,13 @@ Status Transfer::run() {
     return Status::ok();
   }();
   if (!st.isOk()) {
-    markDirty();
+    // A stream stopped in the middle of a frame we read still takes our kError, in front of
+    // the hang-up: the peer learns the cause (a mismatch, say), not just that we went away.
+    markDirty(/*sending=*/true);
     if (st.code() != StatusCode::kAborted) {
       notifyPeers(st);
     }
+    markDirty(/*sending=*/false);
   }
   return st;
 }

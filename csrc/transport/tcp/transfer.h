@@ -11,13 +11,20 @@
 // kError frame (peeked at when the op is not receiving from that peer). A hang-up of a peer
 // this op needs is a PeerFailure; a hang-up of an uninvolved peer is only remembered (it may
 // have finished and exited normally); a kError from anyone fails the op with the peer's cause.
-// When run() fails, every stream left in the middle of a message (either direction) is marked
-// dirty; then, unless the failure is a local abort, run() writes a whole kError frame with the
-// reason to every clean peer, and marks dirty any peer that could not take the whole frame at
-// once. The communicator shuts the dirty connections down (the peer sees the hang-up) and keeps
+// When run() fails, unless the failure is a local abort, it writes a whole kError frame with the
+// reason to every peer whose outgoing stream sits at a frame boundary (also where it stopped
+// reading in the middle of the peer's frame: a mismatched header, say); then every stream left
+// in the middle of a message (either direction), or that could not take the whole frame at
+// once, is marked dirty. The communicator shuts the dirty connections down (the peer sees the hang-up) and keeps
 // the clean ones, which sit at a message boundary in both directions and can be resynchronised
 // and reused by a shrink (mesh.h). So a failure seen by one rank reaches every rank within
 // milliseconds, with its cause, whether or not they were talking to the rank that died.
+//
+// [Note: confirmed sends]
+// A rank only learns of a mismatch from a header it reads. Where an op sends to a peer and
+// reads nothing from it, the peer's verdict would come only as a kError at this rank's next
+// op, after this one returned success; so those edges use sendConfirmed(), whose kAck adds
+// one round trip to the sender only (the receiver answers as soon as it checked the header).
 //
 // Threads: one Transfer at a time per communicator, on the communicator's calling thread.
 #pragma once
@@ -80,6 +87,10 @@ class Transfer {
   Transfer(std::vector<Peer>& peers, int self, const MsgMeta& meta, const Deadline& dl, const AbortToken& abort);
 
   void send(int peer, const void* buf, size_t bytes);
+  // A send that the peer confirms once it found the header to match its own op (wire.h,
+  // kDataAck): run() ends only with the confirmation, so a mismatch fails this rank too. For a
+  // peer this op receives nothing else from; one per peer and op is enough.
+  void sendConfirmed(int peer, const void* buf, size_t bytes);
   void recv(int peer, void* buf, size_t bytes, Callback onDone = nullptr);
   // Point-to-point messages carry their own per-pair sequence number and tag.
   void sendP2P(int peer, const void* buf, size_t bytes, uint64_t seq, uint64_t tag);
@@ -125,7 +136,9 @@ class Transfer {
   Status peekUnexpected(int peer);
   Status progressFence(int peer);
   Status readMore(int peer, RecvItem& item, bool* blocked);
-  void markDirty();
+  // Marks dirty every peer whose stream this op left in the middle of a frame: the ones we
+  // were sending to (`sending`) or reading from.
+  void markDirty(bool sending);
   std::string describePending() const;
   bool pending() const;
   void notifyPeers(const Status& failure);

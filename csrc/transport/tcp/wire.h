@@ -20,6 +20,13 @@ enum class MsgKind : uint8_t {
   // The first frame of a shrunk communicator on a reused stream (resync.h): `tag` holds the
   // new communicator's hash and `seq` the sender's rank in it; no payload.
   kFence = 3,
+  // A kData frame whose receiver confirms it: once its header matched what the receiver's op
+  // expects, the receiver answers with a kAck. A rank that only sends to a peer within an op
+  // (a broadcast's or scatter's root, a reduce's or gather's leaves) would otherwise finish
+  // with success while that peer runs another collective (transfer.h).
+  kDataAck = 4,
+  // The answer to a kDataAck: its header with this kind and `bytes` 0; no payload.
+  kAck = 5,
 };
 
 struct WireHeader {
@@ -30,9 +37,13 @@ struct WireHeader {
   uint8_t redop;  // RedOp, 0 where meaningless
   uint64_t seq;
   uint64_t bytes;
-  uint64_t tag;  // send/recv tag; 0 for collectives
+  uint64_t tag;  // send/recv tag; a collective's root + 1 (rootTag), 0 for one without a root
 };
 static_assert(sizeof(WireHeader) == 32, "the header is part of the wire format");
+
+inline uint64_t rootTag(int root) {
+  return root >= 0 ? static_cast<uint64_t>(root) + 1 : 0;
+}
 
 // Handshake sent by the connecting side once per connection.
 struct Hello {

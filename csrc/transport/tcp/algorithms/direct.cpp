@@ -31,7 +31,7 @@ Status directGather(const AlgoContext& c, const void* send, void* recv, size_t b
       }
     }
   } else {
-    x.send(root, send, bytes);
+    x.sendConfirmed(root, send, bytes);  // see transfer.h, confirmed sends
   }
   return x.run();
 }
@@ -45,7 +45,7 @@ Status directScatter(const AlgoContext& c, const void* send, void* recv, size_t 
     }
     for (int p = 0; p < c.size; ++p) {
       if (p != root) {
-        x.send(p, in + p * bytes, bytes);
+        x.sendConfirmed(p, in + p * bytes, bytes);
       }
     }
   } else {

@@ -216,7 +216,7 @@ Status ringReduce(const AlgoContext& c, void* acc, size_t count, DataType dt, Re
       }
     }
   } else {
-    x.send(root, base + segs.off[c.rank] * es, segs.cnt[c.rank] * es);
+    x.sendConfirmed(root, base + segs.off[c.rank] * es, segs.cnt[c.rank] * es);  // transfer.h
   }
   return x.run();
 }
@@ -235,11 +235,12 @@ Status chainBroadcast(const AlgoContext& c, void* buf, size_t bytes, int root) {
     size_t first = k * c.chunkBytes;
     size_t len = std::min(c.chunkBytes, bytes - std::min(bytes, first));
     if (vr == 0) {
-      x.send(next, p + first, len);
+      // The first chunk's confirmation tells a mismatch (transfer.h); one per peer is enough.
+      k == 0 ? x.sendConfirmed(next, p + first, len) : x.send(next, p + first, len);
     } else {
-      x.recv(prev, p + first, len, [&x, next, p, first, len]() -> Status {
+      x.recv(prev, p + first, len, [&x, next, p, first, len, k]() -> Status {
         if (next >= 0) {
-          x.send(next, p + first, len);
+          k == 0 ? x.sendConfirmed(next, p + first, len) : x.send(next, p + first, len);
         }
         return Status::ok();
       });

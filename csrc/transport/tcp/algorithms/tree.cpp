@@ -92,7 +92,7 @@ Status binomialBroadcast(const AlgoContext& c, void* buf, size_t bytes, int root
   Transfer x = c.transfer();
   for (; mask > 0; mask >>= 1) {
     if (vr + mask < n) {
-      x.send(mod(vr + mask + root, n), buf, bytes);
+      x.sendConfirmed(mod(vr + mask + root, n), buf, bytes);  // the child reads nothing back
     }
   }
   return x.run();
@@ -114,7 +114,7 @@ Status binomialReduce(const AlgoContext& c, void* acc, size_t count, DataType dt
       RC_RETURN_IF_ERROR(x.run());
       reduceInto(acc, tmp, count, dt, op);
     } else {
-      x.send(mod((vr & ~mask) + root, n), acc, bytes);
+      x.sendConfirmed(mod((vr & ~mask) + root, n), acc, bytes);  // the parent reads nothing back
       return x.run();
     }
   }
