@@ -176,6 +176,33 @@ Status Transfer::checkHeader(int peer, RecvItem& item) {
   return Status::ok();
 }
 
+namespace {
+
+// A peer's error text goes into exceptions and logs: keep well-formed UTF-8, printable, and
+// replace anything else (a garbled stream, a hostile peer) with '?'.
+std::string printableText(const std::string& in) {
+  std::string out;
+  out.reserve(in.size());
+  for (size_t i = 0; i < in.size();) {
+    const auto c = static_cast<unsigned char>(in[i]);
+    size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
+    bool ok = len > 0 && i + len <= in.size() && (len > 1 || c >= 0x20 || c == '\n' || c == '\t') && c != 0x7f;
+    for (size_t k = 1; ok && k < len; ++k) {
+      ok = (static_cast<unsigned char>(in[i + k]) & 0xc0) == 0x80;
+    }
+    if (ok) {
+      out.append(in, i, len);
+      i += len;
+    } else {
+      out.push_back('?');
+      ++i;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 Status peerErrorStatus(Peer& peer, int index, const WireHeader& h, std::string text, bool* clean) {
   const size_t textLen = std::min<size_t>(h.bytes, kMaxErrorText);
   *clean = text.size() <= h.bytes && h.bytes <= kMaxErrorText;
@@ -194,7 +221,7 @@ Status peerErrorStatus(Peer& peer, int index, const WireHeader& h, std::string t
   if (code != StatusCode::kMismatch && code != StatusCode::kTimeout) {
     code = StatusCode::kPeerFailure;
   }
-  return Status(code, "rank " + std::to_string(index) + " failed: " + text);
+  return Status(code, "rank " + std::to_string(index) + " failed: " + printableText(text));
 }
 
 Status Transfer::peerError(int peer, RecvItem& item) {
