@@ -392,7 +392,7 @@ def test_detector_config_comes_from_the_knobs(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_the_commit_vote_runs_on_the_jobs_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
-    from resilient_comm.elastic.controller import vote_device
+    from resilient_comm.elastic.vote import vote_device
 
     assert vote_device("resilient_tcp") == torch.device("cpu")
     assert vote_device("resilient_nccl", "cpu") == torch.device("cpu")

@@ -392,7 +392,7 @@ def test_subgroups_of_a_split_make_their_own_nccl_communicators() -> None:
 
 def _vote(ctx: WorkerContext) -> dict:
     from resilient_comm import _C
-    from resilient_comm.elastic.controller import commit_vote
+    from resilient_comm.elastic.vote import commit_vote
 
     _emulate(RESILIENT_COMM_NCCL_EMULATE_KERNEL_US="300000")  # each kernel: 300 ms
     ctx.init("resilient_nccl", timeout_s=30)

@@ -160,6 +160,24 @@ def test_a_spare_takes_the_dead_ranks_place_with_its_peers_state(tmp_path: Any, 
 
 
 @pytest.mark.timeout(200)
+def test_a_spare_pays_its_warmup_before_it_waits_so_its_placement_stays_fast(tmp_path: Any) -> None:
+    # Finding 11 of issue #16: a spare whose provider is built only when it is placed is not
+    # warm. `warmup=` (here 1.5 s of CPU, what a first torch._dynamo import costs) runs before
+    # the spare registers as waiting; being placed then costs only the state transfer.
+    status, job = run_job(str(tmp_path), "--kill", "2:9:synced", "--warmup-burn-ms", "1500")
+    assert status == 0
+    ev = job.events()
+    warm = {e["rank"] for e in ev if e["event"] == "warm"}
+    assert warm >= {0, 1, 2, 3, WORLD}, f"warmup ran on {sorted(warm)}"
+    registered = next(e["t"] for e in ev if e["event"] == "kill")  # run_job saw the spare registered before
+    assert next(e["t"] for e in ev if e["event"] == "warm" and e["rank"] == WORLD) < registered
+    tl = final(job, WORLD)["recoveries"][0]
+    assert tl["cause"] == "placed as a hot spare" and tl["ms"]["total"] < 1000, tl
+    survivors = [final(job, r)["recoveries"][0]["ms"]["total"] for r in (0, 1, 3)]
+    assert max(survivors) < 1000, survivors
+
+
+@pytest.mark.timeout(200)
 def test_a_spare_dying_while_waiting_is_replaced_and_disturbs_nobody(tmp_path: Any) -> None:
     hold = 6
     job = ToyJob(WORLD, ["--steps", str(STEPS), "--dump", str(tmp_path / "dump"), "--hold", f"0:{hold}"],

@@ -96,9 +96,10 @@ from resilient_comm.elastic.membership import (
     now,
 )
 from resilient_comm.elastic.policy import DIMS, Mesh
-from resilient_comm.elastic.state import Place, StateFactory, Stateful, TrainState
+from resilient_comm.elastic.state import Place, StateFactory, Stateful, TrainState, warm_up
 from resilient_comm.elastic.statesync import recv_state, send_state
 from resilient_comm.elastic.timeline import Timeline
+from resilient_comm.elastic.vote import Pacer, commit_vote, vote_device
 from resilient_comm.groups import _adopt
 
 ENV_STORE = "RESILIENT_COMM_STORE"  # the job's store: host:port (the launcher's) or etcd://h1:p1,h2:p2
@@ -126,48 +127,6 @@ class Groups:
     dp: dist.ProcessGroup
     tp: dist.ProcessGroup
     pp: dist.ProcessGroup
-
-
-def vote_device(backend: str, device: torch.device | str | None = None) -> torch.device:
-    """Where the per-step commit vote runs: `device` if given; else the current accelerator
-    of a device backend (resilient_nccl: CUDA, resilient_hccl: NPU), so that a GPU job's
-    vote goes through the device communicator like its gradients and not through TCP; else
-    the CPU."""
-    if device is not None:
-        return torch.device(device)
-    if backend == "resilient_nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    npu = getattr(torch, "npu", None)
-    if backend == "resilient_hccl" and npu is not None and npu.is_available():
-        return torch.device("npu", npu.current_device())
-    return torch.device("cpu")
-
-
-def commit_vote(group: dist.ProcessGroup, device: torch.device) -> None:
-    """The commit vote: an all_reduce(MIN) of 1 that returns only once it has completed on
-    every member, or raises its error. On a device the op is stream-ordered (`wait` only
-    orders the caller's stream), so the host polls it to the end: the update must not be
-    applied, nor the step counted committed, before the vote is known to have landed. What
-    ends the poll is the op: it completes, fails, or is failed by its deadline (the watchdog)
-    or a revoke."""
-    vote = torch.ones(1, dtype=torch.int32, device=device)
-    work = dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group, async_op=True)
-    assert work is not None
-    pace = _Pacer(first_s=20e-6, cap_s=0.001)
-    while not work.is_completed():
-        pace.wait()
-    work.wait()  # raises the op's error, if it failed
-
-
-class _Pacer:
-    """Back-off for store polling loops (pacing only: what ends a loop is a key or a bound)."""
-
-    def __init__(self, first_s: float = 0.0005, cap_s: float = 0.005) -> None:
-        self._d, self._cap = first_s, cap_s
-
-    def wait(self) -> None:
-        time.sleep(self._d)
-        self._d = min(self._cap, self._d * 1.5)
 
 
 class Step:
@@ -219,12 +178,15 @@ class Controller:
         checkpoint_every: int = 0,
         checkpoint_keep: int = 3,
         device: torch.device | str | None = None,
+        warmup: Callable[[], Any] | None = None,
     ) -> None:
         """`state`: the state provider (``state_dict``/``load_state_dict``: a module, a
         `TrainState`, ...), or a factory called with this process's `Place` once it is known
         (a hot spare learns its place only when it is given one: a pipeline stage's model
         depends on it). On a hot spare the constructor blocks until the spare is placed or
-        the job ends. `device`: where the commit vote runs (`vote_device`)."""
+        the job ends. `device`: where the commit vote runs (`vote_device`). `warmup`: called once
+        before the state is made, on a spare before it registers as waiting, so that being placed
+        costs only the state transfer: the imports, loads and compilation the factory needs."""
         env = os.environ
         missing = [k for k in ("RANK", "WORLD_SIZE", ENV_STORE, ENV_NAMESPACE, ENV_AGENT) if k not in env]
         if missing:
@@ -288,9 +250,11 @@ class Controller:
             self._watching = set()
             self._detector.progress(-1, "spare")
             self._detector.start()
+            warm_up(warmup)
             self._spare_wait()
             return
         self._detector.start()
+        warm_up(warmup)
         self._detector.set_members(initial.members, comm_bytes)
         self._resolve_state()
         if self._m.epoch() != 0:
@@ -600,7 +564,7 @@ class Controller:
         """The decider (the lowest live member of `base`) polls the join records and publishes;
         the others wait for the agent's news (the decision's event, or a death that may make
         them the decider)."""
-        pace = _Pacer(cap_s=join_poll_cap_s(len(base.members)))
+        pace = Pacer(cap_s=join_poll_cap_s(len(base.members)))
         while True:
             news = self._detector.news()
             self._check_fatal()
@@ -773,7 +737,7 @@ class Controller:
         self._detector.progress(self.committed, "done")
         self._m.set_done(self.rank, self.committed)
         deadline = time.monotonic() + self._timeout.total_seconds()
-        pace = _Pacer(cap_s=0.02)
+        pace = Pacer(cap_s=0.02)
         while True:
             self._check_fatal()
             members = self._decision.members

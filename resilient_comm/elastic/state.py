@@ -63,3 +63,11 @@ class TrainState:
 
 
 __all__ = ["Place", "StateFactory", "Stateful", "TrainState"]
+
+
+def warm_up(warmup: Callable[[], Any] | None) -> None:
+    """First-use costs paid before a state is needed (`Controller`'s `warmup`)."""
+    import torch.optim  # noqa: F401  (a first import pulls in torch._dynamo: ~1 s of CPU)
+
+    if warmup is not None:
+        warmup()

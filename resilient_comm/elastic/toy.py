@@ -231,8 +231,16 @@ def run_elastic(a: argparse.Namespace) -> int:
             sum(range(25_000_000))  # one C call: the GIL is not released until it returns
         return trainer
 
+    def warm_up() -> None:
+        """What a factory's first use would cost, paid before this process waits or trains."""
+        end = time.process_time() + a.warmup_burn_ms / 1e3
+        while time.process_time() < end:
+            sum(range(25_000_000))
+        events.write("warm", spare=spare)
+
     ctl = Controller(burn_then_state if a.startup_burn_ms else trainer, tp=a.tp, backend=a.backend, start_step=start, comm_bytes=nbytes, hook=hook,
-                     checkpoint_dir=a.ckpt_dir, checkpoint_every=a.ckpt_dir_every)
+                     checkpoint_dir=a.ckpt_dir, checkpoint_every=a.ckpt_dir_every,
+                     warmup=warm_up if a.warmup_burn_ms else None)
 
     def train_step(s: Any) -> None:
         tp_group = ctl.groups.tp if a.tp > 1 else None
@@ -369,6 +377,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--batch", type=int, default=8, help="samples per replica and step")
     p.add_argument("--step-ms", type=float, default=0.0, help="extra time per step standing for compute")
+    p.add_argument("--warmup-burn-ms", type=float, default=0.0,
+                   help="elastic: a Controller warmup= that burns this much CPU (a spare: before it waits)")
     p.add_argument("--startup-burn-ms", type=float, default=0.0,
                    help="elastic: CPU the state factory burns (a first import's cost) before step 0")
     p.add_argument("--kill", action="append", default=[], metavar="RANK:STEP:PHASE", help="self-SIGKILL")
