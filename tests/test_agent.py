@@ -265,8 +265,8 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def etcd(tmp_path: Any) -> Any:
-    """A one-member etcd on loopback (Debian's etcd-server); its endpoint."""
+def etcd_proc(tmp_path: Any) -> Any:
+    """A one-member etcd on loopback (Debian's etcd-server): (endpoint, process)."""
     import shutil
 
     from resilient_comm.testing.cluster import etcd_command, wait_etcd
@@ -274,14 +274,51 @@ def etcd(tmp_path: Any) -> Any:
     if shutil.which("etcd") is None:
         pytest.skip("needs the etcd binary (Debian: apt install etcd-server)")
     client, peer = _free_port(), _free_port()
-    proc = subprocess.Popen(etcd_command(0, {0: ("127.0.0.1", client, peer)}, str(tmp_path), "rc-agent-test"),
+    proc = subprocess.Popen(etcd_command(0, {0: ("127.0.0.1", client, peer)}, str(tmp_path / "etcd"), "rc-agent-test"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_etcd(f"127.0.0.1:{client}", 30)
-        yield f"127.0.0.1:{client}"
+        yield f"127.0.0.1:{client}", proc
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture
+def etcd(etcd_proc: tuple[str, Any]) -> str:
+    """A one-member etcd on loopback; its endpoint."""
+    return etcd_proc[0]
+
+
+@pytest.mark.timeout(120)
+def test_losing_the_store_in_a_recovery_ends_every_survivor_with_a_clear_error(
+        etcd_proc: tuple[str, Any], tmp_path: Any) -> None:
+    """Issue #16 item 6: the store gone while the survivors agree on a recovery. Each must leave
+    with `RecoveryError` (the store failed) or `Evicted` (its agent fenced it: no store
+    majority), within the lease and the store's retry budget; never a raw `DistNetworkError`
+    out of the wait for a decision, never a hang."""
+    endpoint, proc = etcd_proc
+    job = ToyJob(3, ["--steps", "100000", "--step-ms", "5", "--mark", "0:5"], str(tmp_path / "job"), quiet=True,
+                 rdzv_backend="etcd", endpoint=endpoint).start()
+    try:
+        job.launcher.client().wait(["toy/at/0/5"], datetime.timedelta(seconds=60))
+        proc.kill()  # the whole store: a one-member etcd
+        proc.wait()
+        os.kill(job.pid(1), signal.SIGKILL)  # the survivors now need the store to agree
+        t0 = time.monotonic()
+        status = job.wait(40.0)
+        ended = time.monotonic() - t0
+    finally:
+        job.launcher.forward(signal.SIGKILL)
+    assert status != 0
+    assert ended < 25.0, f"the survivors took {ended:.1f} s to leave"
+    outcomes = {e["rank"]: e for e in job.events() if e["event"] in ("failed", "evicted")}
+    assert sorted(outcomes) == [0, 2], job.events()[-6:]
+    for r, e in outcomes.items():
+        assert "store" in e["why"] or "fenced" in e["why"], e
+        with open(os.path.join(job.workdir, "logs", "0", f"{r}.log")) as f:
+            log = f.read()
+        assert "Traceback" not in log, log[-3000:]
 
 
 @pytest.mark.timeout(60)

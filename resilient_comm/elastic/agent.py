@@ -212,6 +212,7 @@ class NodeAgent:
         self._stop = threading.Event()
         self._events_thread: threading.Thread | None = None
         self._lease_thread: threading.Thread | None = None
+        self._fence_thread: threading.Thread | None = None
         self._register, self._unregister = register, unregister
         self._dir: str | None = None
         self._listener: socket.socket | None = None
@@ -545,6 +546,8 @@ class NodeAgent:
         if self.lease_s:
             self._lease_thread = threading.Thread(target=self._lease_loop, name="rc-agent-lease", daemon=True)
             self._lease_thread.start()
+            self._fence_thread = threading.Thread(target=self._fence_loop, name="rc-agent-fence", daemon=True)
+            self._fence_thread.start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -555,8 +558,9 @@ class NodeAgent:
                 except dist.DistError:
                     pass  # the store is gone: the thread has ended
             self._events_thread.join()
-        if self._lease_thread is not None and self._lease_thread.is_alive():
-            self._lease_thread.join()
+        for th in (self._lease_thread, self._fence_thread):
+            if th is not None and th.is_alive():
+                th.join()
         for c in list(self._conns):
             self._close(c)
         if self._listener is not None:
@@ -578,13 +582,15 @@ class NodeAgent:
             self.broadcast(f"lost {self.store_lost}")
 
     def _fence(self, why: str) -> None:
-        if self.fenced is None:
+        with self._lock:
+            if self.fenced is not None:
+                return
             self.fenced = why
-            log.error("node %d fenced: %s", self.node, why)
-            self.broadcast(f"fence {why}")
+        log.error("node %d fenced: %s", self.node, why)
+        self.broadcast(f"fence {why}")
 
     def _check_lease(self, t: float) -> None:
-        """Fencing (the loop's tick, never blocked by a store call): the lease expires on the
+        """Fencing (a thread of its own, `_fence_loop`, and the loop's tick): the lease expires on the
         store at the earliest `lease_s` after the last keepalive it answered, so a node that
         has had no answer for `lease_s` minus a margin stops its workers before the others can
         see it gone and decide without them."""
@@ -622,6 +628,15 @@ class NodeAgent:
             self._stop.wait(max(0.0, period - (time.monotonic() - t0)))
         if keeper is not None:
             keeper.join()
+
+    def _fence_loop(self) -> None:
+        """etcd: checks the lease every 100 ms on a thread that makes no store call. The loop's
+        tick also checks, but the launcher's own store calls (reporting an exit, reading the
+        membership) block that loop for up to the store's retry budget (10 s): a node cut off
+        from the store went on training long past its lease."""
+        while not self._stop.is_set() and self.fenced is None:
+            self._check_lease(time.monotonic())
+            self._stop.wait(0.1)
 
     def _keepalive_loop(self, lease: int) -> None:
         """etcd: refresh the lease every `lease_s` / 6 on a connection of its own. Never behind

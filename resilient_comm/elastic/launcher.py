@@ -281,6 +281,8 @@ class Launcher:
     def _last_decision(self) -> Decision | None:
         """The newest membership decision (None: none, or the store cannot be read)."""
         m = self.membership()
+        if self._cut_off():
+            return None
         try:
             if not m.store.check([m.key("epoch")]):
                 return None
@@ -320,6 +322,12 @@ class Launcher:
         assert self.agent is not None, "start() first"
         return self.agent
 
+    def _cut_off(self) -> str | None:
+        """Why this node can no longer use the store (its agent fenced it, or lost the store):
+        then nothing is asked of it -- each call would only wait out the store's retry budget
+        (10 s on etcd) while the workers' exits wait to be reaped."""
+        return None if self.agent is None else self.agent.fenced or self.agent.store_lost
+
     def _serve(self) -> None:
         """One turn of the loop: exits (pidfds), the agent's socket, the agent's tick."""
         agent = self._agent()
@@ -347,6 +355,9 @@ class Launcher:
             return
         if self._ending and w.spare:
             log.info("spare %d (pid %d) ended: %s", w.rank, w.proc.pid, what)
+            return
+        if self._cut_off():
+            log.warning("worker %d (pid %d): %s; not reported: %s", w.rank, w.proc.pid, what, self._cut_off())
             return
         try:
             self.membership().report_gone(Gone(w.rank, "exit", what, t, "launcher"))
@@ -381,6 +392,8 @@ class Launcher:
         can go on no more: every member of the newest decision is gone (nobody is left to
         decide, so no spare can be placed)."""
         m = self.membership()
+        if self._cut_off():
+            return True  # its spares can never be placed: the others go on without this node
         try:
             if m.finished():
                 return True
@@ -408,6 +421,8 @@ class Launcher:
         return next((w.status for w in judged if w.status), 0) or 0
 
     def _finished(self) -> bool:
+        if self._cut_off():
+            return False
         try:
             return self.membership().finished()
         except dist.DistError as e:
@@ -421,7 +436,7 @@ class Launcher:
         key = f"rc/{self.run_id}/node-done/"
         agent = self._agent()
         agent.finish()
-        if self.backend != "c10d":
+        if self.backend != "c10d" or self._cut_off():
             return  # nobody hosts an etcd cluster: no node waits for the others
         try:
             self.store.set(key + str(self.node_rank), "1")
