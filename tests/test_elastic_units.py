@@ -178,6 +178,50 @@ def test_a_malformed_store_value_is_ignored_or_a_clear_error_never_a_crash(
         m.propose(1)
 
 
+@pytest.mark.timeout(30)
+def test_with_a_job_token_forged_records_are_refused_and_a_forged_gone_record_is_replaced(
+        store: dist.TCPStore, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue #16, item 5: a process that reaches the store but lacks the job token writes
+    well-formed records (a gone record, an event, a decision, a join record, a spare id, a
+    finished step). The job's readers refuse each, like a malformed one; the real report on a
+    rank replaces a forged gone record (first-writer-wins would have kept it and dropped the
+    real report's event); sealed records read back through a reader without a token."""
+    m = Membership(store, "rc/mac", token="job-secret")
+    stranger = Membership(store, "rc/mac", token="")  # writes what an attacker would
+    other_job = Membership(store, "rc/mac", token="another-secret")
+    forged_gone = Gone(2, "suspect", "forged", 1.0, "rank 0")
+    stranger.report_gone(forged_gone)
+    with caplog.at_level("WARNING", logger="resilient_comm.membership"):
+        assert m.gone([2]) == {}
+        assert "does not carry this job's MAC" in caplog.text
+        real = Gone(2, "exit", "killed by SIGKILL", 2.0, "launcher")
+        assert m.report_gone(real), "the real report must replace the forgery and post its event"
+    assert m.gone([2]) == {2: real} and other_job.gone([2]) == {}
+    kinds = [(m.event(i) or {}).get("kind") for i in range(2)]
+    assert kinds == ["malformed", "gone"], kinds  # the stranger's event, then the real one
+    assert stranger.event(1) == {"kind": "gone", "ranks": [2], "gone": [asdict(real)]}, "no token: seals are stripped"
+    d = Decision(1, [0, 1], Mesh(dp=2).as_dict(), "fail", 0, note="forged")
+    stranger.decide(d)
+    with pytest.raises(dist.DistStoreError, match="the decision at 'rc/mac/e/1/decision' is malformed: it does not"):
+        m.decision(1)
+    good = Decision(2, [0, 1], Mesh(dp=2).as_dict(), "shrink", 3)
+    assert m.decide(good) == good and m.decision(2) == good and stranger.decision(2) == good
+    with pytest.raises(dist.DistStoreError, match="does not carry"):
+        other_job.decision(2)
+    stranger.join(2, JoinRecord(0, 1, True, 99, None))
+    m.join(2, JoinRecord(1, 1, True, 3, None))
+    assert m.joined(2, [0, 1]) == {1: JoinRecord(1, 1, True, 3, None)}
+    stranger.register_spare(40)
+    m.register_spare(41)
+    assert m.spares() == [41]
+    stranger.set_done(0, 99)
+    m.set_done(1, 7)
+    assert m.done([0, 1]) == {1: 7}
+    store.set(m.key("e", 3, "decision"), good.to_json() + "\n#mac:" + "0" * 32)  # a guessed MAC
+    with pytest.raises(dist.DistStoreError, match="does not carry"):
+        m.decision(3)
+
+
 def test_decision_and_records_round_trip_through_json() -> None:
     d = Decision(3, [0, 2], {"tp": 1, "pp": 1, "dp": 2}, "init", 11, [1], [], 0, 1.5, 1.25)
     assert Decision.from_json(d.to_json()) == d and d.mesh_obj() == Mesh(dp=2)

@@ -6,9 +6,11 @@ foreign one is dropped (issue #16). Listeners are bound to the address they publ
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -86,3 +88,34 @@ def test_stray_idle_and_garbage_connections_never_stall_or_fail_a_build() -> Non
             assert v["strays"] >= 3, v
         # Bound to the published address (127.0.0.1 here), not to every interface.
         assert v["listeners"] and all(ip != "0.0.0.0" for ip, _ in v["listeners"]), v["listeners"]
+
+
+@pytest.mark.timeout(120)
+def test_forged_membership_records_from_a_process_without_the_token_change_nothing(tmp_path: Any) -> None:
+    """Issue #16, item 5: a process that reaches the launcher's store but lacks the job token
+    forges a gone record for a live rank, its event, and a decision event. The job's records
+    carry a MAC keyed by the token (resilient-run makes one per single-node job), so every
+    forgery reads as malformed: no recovery, nobody evicted, every rank at the last step.
+    Before, the forged record evicted rank 2."""
+    from dataclasses import asdict
+
+    from resilient_comm.elastic import Gone, Membership
+    from resilient_comm.elastic.toy import ToyJob
+
+    dump = tmp_path / "dump"
+    job = ToyJob(4, ["--steps", "30", "--step-ms", "20", "--mark", "0:5", "--dump", str(dump)], str(tmp_path),
+                 quiet=True).start()
+    assert job.launcher.token, "resilient-run makes a token for a single-node job"
+    client = job.launcher.client()
+    client.wait(["toy/at/0/5"], datetime.timedelta(seconds=60))
+    stranger = Membership(client, job.launcher.namespace, token="")
+    forged = Gone(2, "suspect", "heartbeat silent for 9.9 s (forged)", time.time(), "rank 0")
+    client.compare_set(stranger.key("gone", 2), "", forged.to_json())
+    stranger.post_event({"kind": "gone", "ranks": [2], "gone": [asdict(forged)]})
+    stranger.post_event({"kind": "decision", "epoch": 1})
+    assert job.wait(90) == 0
+    m = Membership(client, job.launcher.namespace)
+    assert m.epoch() == 0, f"a recovery ran: {m.decision(m.epoch())}"
+    for r in range(4):
+        final = torch.load(dump / f"final-{r}.pt", weights_only=False)
+        assert final["committed"] == 29 and final["members"] == [0, 1, 2, 3], (r, final["members"])

@@ -203,7 +203,7 @@ class Launcher:
         return connect(self.store_spec, datetime.timedelta(seconds=60))
 
     def membership(self) -> Membership:
-        return Membership(self.store, self.namespace, self.max_nodes)  # wakes every node the job may have
+        return Membership(self.store, self.namespace, self.max_nodes, self.token)  # wakes every node the job may have
 
     def _env(self, rank: int, local_rank: int, spare: bool = False) -> dict[str, str]:
         env = dict(os.environ)

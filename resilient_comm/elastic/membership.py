@@ -44,8 +44,11 @@ Rules that make the protocol safe (the controller follows them):
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar, cast
@@ -56,6 +59,8 @@ from resilient_comm.elastic.policy import Mesh
 
 T = TypeVar("T")
 _NO_RECORD = "\x00none"  # never a node record (those are JSON objects)
+_MAC = "\n#mac:"  # a sealed value: its text, this, and the hex MAC (Membership._seal)
+ENV_TOKEN = "RESILIENT_COMM_TOKEN"
 
 
 # Keys per call of a many-key read or wait. c10d's TCPStore serves one call of N keys in time
@@ -236,17 +241,44 @@ class Membership:
     """Typed access to the membership keys. One instance per thread that uses it (a c10d
     store client serialises its calls, and a blocking wait would hold up the others)."""
 
-    def __init__(self, store: dist.Store, namespace: str, nodes: int = 1) -> None:
+    def __init__(self, store: dist.Store, namespace: str, nodes: int = 1, token: str | None = None) -> None:
+        """`token`: the job token (default: ``RESILIENT_COMM_TOKEN``). With one, the records
+        that decide membership -- decisions, join records, gone records, events, spare ids,
+        finished steps -- are written sealed with a MAC keyed by it and over their key, and a
+        record read back without a valid one is treated as malformed: a process without the
+        token cannot forge one (docs/security.md). Without one, seals are neither made nor
+        checked (a reader such as a test or a benchmark can still read sealed records)."""
         self.store = store
         self.ns = namespace.rstrip("/")
         self.nodes = nodes  # agents to wake on an event: every node the job may have
+        self._token = os.environ.get(ENV_TOKEN, "") if token is None else token
+        self._mac_key = hashlib.sha256(b"resilient_comm membership\0" + self._token.encode()).digest()
 
     def clone(self, timeout: datetime.timedelta | None = None) -> Membership:
         """The same keys through a new connection (for another thread)."""
         store = self.store.clone()  # type: ignore[attr-defined]  # every c10d store has it; the stubs lag
         if timeout is not None:
             store.set_timeout(timeout)
-        return Membership(store, self.ns, self.nodes)
+        return Membership(store, self.ns, self.nodes, self._token)
+
+    def _mac(self, key: str, text: str) -> str:
+        return hmac.new(self._mac_key, f"{key}\0{text}".encode(), hashlib.sha256).hexdigest()[:32]
+
+    def _seal(self, key: str, text: str) -> str:
+        """The value to write at `key` for `text`: sealed with the token's MAC, if there is one."""
+        return text + _MAC + self._mac(key, text) if self._token else text
+
+    def _open(self, key: str, value: bytes | str) -> str:
+        """The text of a value read at `key`; ValueError if this job has a token and the value
+        does not carry its MAC for this key (forged, or another job's)."""
+        v = value.decode() if isinstance(value, bytes) else value  # UnicodeDecodeError is a ValueError
+        text, sep, mac = v.rpartition(_MAC)
+        if not self._token:
+            return text if sep else v
+        if not sep or not hmac.compare_digest(mac, self._mac(key, text)):
+            raise ValueError("it does not carry this job's MAC (not written by a process with the job token: "
+                             "forged, or another job's)")
+        return text
 
     def key(self, *parts: object) -> str:
         return "/".join([self.ns, *map(str, parts)])
@@ -257,7 +289,7 @@ class Membership:
         """Record epoch 0 (every rank calls this with the same decision; the first wins)."""
         self.store.compare_set(self.key("epoch"), "", "0")
         k = self.key("e", 0, "decision")
-        return _decision(k, self.store.compare_set(k, "", initial.to_json()))
+        return self._decision(k, self.store.compare_set(k, "", self._seal(k, initial.to_json())))
 
     def epoch(self) -> int:
         k = self.key("epoch")
@@ -270,15 +302,24 @@ class Membership:
 
     def decision(self, epoch: int) -> Decision | None:
         k = self.key("e", epoch, "decision")
-        return _decision(k, self.store.get(k)) if self.store.check([k]) else None
+        return self._decision(k, self.store.get(k)) if self.store.check([k]) else None
 
     def decide(self, decision: Decision) -> Decision:
         """Publish `decision` unless one exists; returns the one that holds."""
         k = self.key("e", decision.epoch, "decision")
-        return _decision(k, self.store.compare_set(k, "", decision.to_json()))
+        return self._decision(k, self.store.compare_set(k, "", self._seal(k, decision.to_json())))
+
+    def _decision(self, key: str, v: bytes | str) -> Decision:
+        """A decision read back; a malformed one is an error naming the key (the decision is
+        the authority on membership: it cannot be skipped)."""
+        try:
+            return Decision.from_json(self._open(key, v))
+        except ValueError as e:
+            raise dist.DistStoreError(f"the decision at {key!r} is malformed: {e}") from e
 
     def join(self, epoch: int, record: JoinRecord) -> None:
-        self.store.set(self.key("e", epoch, "join", record.rank), record.to_json())
+        k = self.key("e", epoch, "join", record.rank)
+        self.store.set(k, self._seal(k, record.to_json()))
 
     def complete(self, epoch: int, base: list[int], live: list[int],
                  wait_s: float = 0.0) -> tuple[dict[int, JoinRecord], dict[int, Gone]] | None:
@@ -307,17 +348,19 @@ class Membership:
         # One parse for all (at 16K members, one per record costs the decider ~0.3 s); only if
         # that fails, one by one.
         try:
-            records = json.loads(b"[" + b",".join(got.values()) + b"]")
+            texts = [self._open(self.key("e", epoch, "join", r), v) for r, v in got.items()]
+            records = json.loads("[" + ",".join(texts) + "]")
             if len(records) == len(got):
                 return {r: _record(JoinRecord, d) for r, d in zip(got, records)}
         except ValueError:
             pass
         out = {}
         for r, v in got.items():
+            k = self.key("e", epoch, "join", r)
             try:
-                out[r] = JoinRecord.from_json(v)
+                out[r] = JoinRecord.from_json(self._open(k, v))
             except ValueError as e:
-                _warn_malformed(self.key("e", epoch, "join", r), "join record", e)
+                _warn_malformed(k, "join record", e)
         return out
 
     def world_store(self, epoch: int) -> dist.Store:
@@ -336,8 +379,17 @@ class Membership:
         the ranks this call recorded first (a lost node's processes: one report). Returns them."""
         first = []
         for g in gones:
-            mine = g.to_json()
-            if self.store.compare_set(self.key("gone", g.rank), "", mine).decode() == mine:
+            k = self.key("gone", g.rank)
+            mine = self._seal(k, g.to_json())
+            held = self.store.compare_set(k, "", mine)
+            if held.decode(errors="replace") != mine and self._token and not self._valid(k, held):
+                log.warning("replacing the gone record at %r: it does not carry this job's MAC (forged?)", k)
+                try:
+                    held = self.store.compare_set(k, held.decode(), mine)
+                except UnicodeDecodeError:
+                    self.store.set(k, mine)  # not text: nobody of the job wrote it (a race is harmless)
+                    held = mine.encode()
+            if held.decode(errors="replace") == mine:
                 first.append(g)
         if first:  # the evidence goes with the event: no agent reads it back
             self.post_event({"kind": "gone", "ranks": [g.rank for g in first], "gone": [asdict(g) for g in first],
@@ -349,7 +401,7 @@ class Membership:
         out = {}
         for r, v in self._present([self.key("gone", r) for r in ranks], ranks).items():
             try:
-                out[r] = Gone.from_json(v)
+                out[r] = Gone.from_json(self._open(self.key("gone", r), v))
             except ValueError as e:
                 _warn_malformed(self.key("gone", r), "gone record", e)
         return out
@@ -357,9 +409,10 @@ class Membership:
     def post_event(self, payload: dict[str, Any]) -> int:
         """Append an event and wake every node's agent; returns its index. Slots are claimed
         by compare-and-set."""
-        text = json.dumps(payload, sort_keys=True)
+        raw = json.dumps(payload, sort_keys=True)
         i = 0
-        while self.store.compare_set(self.key("events", i), "", text).decode() != text:
+        while self.store.compare_set(k := self.key("events", i), "", text := self._seal(k, raw)).decode(
+                errors="replace") != text:
             i += 1
         if not self.watches:
             for n in range(self.nodes):
@@ -378,7 +431,7 @@ class Membership:
         if not self.store.check([k]):
             return None
         try:
-            ev = json.loads(self.store.get(k))
+            ev = json.loads(self._open(k, self.store.get(k)))
             if not isinstance(ev, dict) or not isinstance(ev.get("kind"), str):
                 raise ValueError("not a JSON object with a kind")  # noqa: TRY004
             return ev
@@ -414,7 +467,8 @@ class Membership:
 
     def register_spare(self, spare_id: int) -> None:
         i = self.store.add(self.key("spare", "n"), 1) - 1
-        self.store.set(self.key("spare", i), str(spare_id))
+        k = self.key("spare", i)
+        self.store.set(k, self._seal(k, str(spare_id)))
 
     def spares(self) -> list[int]:
         """Ids of every spare that ever registered, in registration order. A malformed id is
@@ -430,7 +484,7 @@ class Membership:
                 break
             for i, v in got.items():
                 try:
-                    out.append(_int(v))
+                    out.append(_int(self._open(self.key("spare", i), v)))
                 except ValueError as e:
                     _warn_malformed(self.key("spare", i), "spare id", e)
         return out
@@ -448,7 +502,8 @@ class Membership:
     def set_done(self, rank: int, committed: int) -> None:
         if not self.store.check([self.key("done", rank)]):
             self.store.add(self.key("done", "n"), 1)
-        self.store.set(self.key("done", rank), str(committed))
+        k = self.key("done", rank)
+        self.store.set(k, self._seal(k, str(committed)))
 
     def done(self, ranks: list[int]) -> dict[int, int]:
         """The step each finished rank of `ranks` committed. A counter says when nobody has
@@ -458,10 +513,17 @@ class Membership:
         out = {}
         for r, v in self._present([self.key("done", r) for r in ranks], ranks).items():
             try:
-                out[r] = _int(v)
+                out[r] = _int(self._open(self.key("done", r), v))
             except ValueError as e:
                 _warn_malformed(self.key("done", r), "finished step", e)
         return out
+
+    def _valid(self, key: str, value: bytes) -> bool:
+        try:
+            self._open(key, value)
+            return True
+        except ValueError:
+            return False
 
     def _present(self, keys: list[str], ranks: list[int]) -> dict[int, bytes]:
         """Values of the keys that exist (get would block on a missing key), read `CHUNK_KEYS`
@@ -490,15 +552,6 @@ def _epoch(key: str, v: bytes | str) -> int:
         return _int(v)
     except ValueError as e:
         raise dist.DistStoreError(f"the membership's epoch at {key!r} is malformed: {e}") from e
-
-
-def _decision(key: str, v: bytes | str) -> Decision:
-    """A decision read back; a malformed one is an error naming the key (the decision is the
-    authority on membership: it cannot be skipped)."""
-    try:
-        return Decision.from_json(v)
-    except ValueError as e:
-        raise dist.DistStoreError(f"the decision at {key!r} is malformed: {e}") from e
 
 
 def join_poll_cap_s(members: int) -> float:
