@@ -117,14 +117,18 @@ class Reference:
     """Fault-free runs of the toy: the whole run's trace, and continuations from a step with
     given data streams (cached)."""
 
-    def __init__(self, world: int, steps: int, workdir: str, timeout_s: float) -> None:
+    def __init__(self, world: int, steps: int, workdir: str, timeout_s: float,
+                 trace: dict[int, Any] | None = None) -> None:
+        """`trace`: the fault-free run's trace ({step: {step, state}}), if already made."""
         self.world, self.steps, self.workdir, self.timeout_s = world, steps, workdir, timeout_s
         self._runs = 0
-        path = os.path.join(workdir, "fault-free.pt")
-        self._run(world, ["--trace", path], "fault-free")
-        import torch
+        if trace is None:
+            import torch
 
-        self.trace: dict[int, Any] = torch.load(path, weights_only=False)
+            path = os.path.join(workdir, "fault-free.pt")
+            self._run(world, ["--trace", path], "fault-free")
+            trace = torch.load(path, weights_only=False)
+        self.trace: dict[int, Any] = trace
         self._cache: dict[tuple, Any] = {}
 
     def _run(self, nproc: int, args: list[str], name: str) -> None:
@@ -173,7 +177,7 @@ def run_trial(t: Trial, world: int, steps: int, workdir: str, timeout_s: float, 
 
     from resilient_comm.elastic import Membership
     from resilient_comm.elastic.toy import ToyJob
-    from resilient_comm.testing.harness import same_state
+    from resilient_comm.testing.harness import same_state, wait_for
 
     out = Outcome(t.index, t.kind, t.args)
     dump = os.path.join(workdir, "dump")
@@ -187,7 +191,7 @@ def run_trial(t: Trial, world: int, steps: int, workdir: str, timeout_s: float, 
     m = Membership(store, job.launcher.namespace)
     try:
         if t.spares:
-            _until(lambda: len(m.spares()) >= t.spares, 60.0)
+            wait_for(lambda: len(m.spares()) >= t.spares, "the spare to register")
             store.set("toy/go/1", "1")
         if t.stop:
             rank, step, hold_s = t.stop
@@ -264,15 +268,6 @@ def _segments(decisions: list[Any], steps: int) -> list[tuple[int, list[int]]]:
 
 def _replica_partners(t: Trial, world: int) -> set[int]:
     return {r for v in t.victims for r in range(world) if r // t.tp == v // t.tp}
-
-
-def _until(cond: Any, timeout_s: float) -> None:
-    deadline, delay = time.monotonic() + timeout_s, 0.005
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the spare never registered")
-        time.sleep(delay)  # pacing of a poll the condition ends
-        delay = min(0.1, delay * 2)
 
 
 def summarize(outcomes: list[Outcome]) -> str:

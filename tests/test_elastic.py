@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from resilient_comm import chaos
 from resilient_comm.elastic import EXIT_EVICTED, Decision, Membership
 from resilient_comm.elastic.toy import ToyJob
 from resilient_comm.testing.harness import same_state
@@ -56,21 +57,10 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
     return torch.load(trace, weights_only=False)
 
 
-def reference(tmp: str, start: dict[str, Any], segments: list[tuple[int, list[int]]]) -> dict[str, Any]:
-    """Fault-free runs continuing from `start` ({step, state}): for each (resume step, members)
-    a run of those members (with their data streams) up to the next segment's resume step.
-    Returns the final state."""
-    for i, (resume, members) in enumerate(segments):
-        assert start["step"] == resume - 1
-        path = os.path.join(tmp, f"ref-start-{i}.pt")
-        torch.save(start, path)
-        end = segments[i + 1][0] if i + 1 < len(segments) else STEPS
-        trace = os.path.join(tmp, f"ref-trace-{i}.pt")
-        job = ToyJob(len(members), ["--steps", str(end), "--resume-from", path, "--trace", trace,
-                                    "--data-ids", ",".join(map(str, members))], os.path.join(tmp, f"ref{i}")).start()
-        assert job.wait(100) == 0, job.events()
-        start = torch.load(trace, weights_only=False)[end - 1]
-    return start["state"]
+def reference(tmp: str, fault_free: dict[int, Any], segments: list[tuple[int, list[int]]]) -> dict[str, Any]:
+    """The final state of fault-free runs continuing the fault-free trace: for each (resume
+    step, members) a run of those members (with their data streams) up to the next one's."""
+    return chaos.Reference(WORLD, STEPS, tmp, 100.0, trace=fault_free).final(segments)
 
 
 def check_recovered(job: ToyJob, status: int, victims: list[int], recoveries: int) -> dict[int, dict[str, Any]]:
@@ -112,7 +102,7 @@ def test_sigkill_one_worker_matches_fault_free_run_on_survivors(tmp_path: Any, f
     tl = d[min(d)]["recoveries"][0]
     resume = tl["resume_step"]
     assert step <= resume <= step + 1, f"killed at {phase} of step {step}, resumed at {resume}"
-    want = reference(str(tmp_path), fault_free[resume - 1], [(resume, tl["members"])])
+    want = reference(str(tmp_path), fault_free, [(resume, tl["members"])])
     for r, v in d.items():
         assert same_state(v["state"], want), f"rank {r}: recovered training differs from the fault-free run"
 
@@ -130,7 +120,7 @@ def test_sigkill_two_workers_at_random_steps(tmp_path: Any, fault_free: dict[int
     tls = d[min(d)]["recoveries"]
     segments = [(tl["resume_step"], tl["members"]) for tl in tls]
     assert segments[0][0] < segments[1][0] and len(segments[1][1]) == WORLD - 2, segments
-    want = reference(str(tmp_path), fault_free[segments[0][0] - 1], segments)
+    want = reference(str(tmp_path), fault_free, segments)
     for r, v in d.items():
         assert same_state(v["state"], want), f"rank {r}: recovered training differs from the fault-free run"
 
@@ -149,7 +139,7 @@ def test_second_kill_during_recovery_still_recovers(tmp_path: Any, fault_free: d
     assert kill_b["why"] == f"{during} of epoch 1", kill_b
     if during == "agreed":  # epoch 1 included b: its rebuild failed, epoch 2 built afresh
         assert tl["attempts"] == 2 and tl["epoch"] == 2 and tl["mode"] == "init", tl
-    want = reference(str(tmp_path), fault_free[tl["resume_step"] - 1], [(tl["resume_step"], tl["members"])])
+    want = reference(str(tmp_path), fault_free, [(tl["resume_step"], tl["members"])])
     for r, v in d.items():
         assert same_state(v["state"], want), f"rank {r}: recovered training differs from the fault-free run"
 
@@ -300,7 +290,7 @@ def test_a_whole_node_sigkill_is_seen_by_the_next_node_and_the_job_goes_on(tmp_p
     assert events == [{"kind": "gone", "node": 1, "ranks": [2, 3]},
                       {"kind": "decided", "epoch": 1, "joiners": []}], "one report for the node, with its evidence"
     final = dumps(job, [0, 1])
-    want = reference(tmp, fault_free[d.resume_step - 1], [(d.resume_step, [0, 1])])
+    want = reference(tmp, fault_free, [(d.resume_step, [0, 1])])
     for r in (0, 1):
         assert final[r]["members"] == [0, 1] and final[r]["committed"] == STEPS - 1
         assert same_state(final[r]["state"], want), f"rank {r}: recovered training differs from the fault-free run"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import os
 import signal
-import time
 from typing import Any
 
 import pytest
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from resilient_comm.elastic import Decision, Membership, Mesh, plan
 from resilient_comm.elastic.statesync import StateSyncError, digest, pack, unpack
 from resilient_comm.elastic.toy import ToyJob
+from resilient_comm.testing import wait_for
 
 STEPS = 24
 WORLD = 4
@@ -62,17 +62,6 @@ def commits(job: ToyJob) -> dict[int, list[int]]:
         if e["event"] == "commit":
             out.setdefault(e["rank"], []).append(e["step"])
     return out
-
-
-def wait_for(cond: Any, what: str, timeout_s: float = 60.0) -> None:
-    """Bounded wait for a condition the job makes true (store keys, registrations)."""
-    deadline = time.monotonic() + timeout_s
-    delay = 0.005
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(delay)  # pacing of the poll, not a synchronisation: the condition ends it
-        delay = min(0.1, delay * 2)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,12 @@
 """Helpers for multi-process tests and benchmarks: real processes, real sockets."""
 
-from resilient_comm.testing.harness import WorkerContext, WorkerResult, Workers, run_workers, start_workers
+from resilient_comm.testing.harness import (
+    WorkerContext,
+    WorkerResult,
+    Workers,
+    run_workers,
+    start_workers,
+    wait_for,
+)
 
-__all__ = ["WorkerContext", "WorkerResult", "Workers", "run_workers", "start_workers"]
+__all__ = ["WorkerContext", "WorkerResult", "Workers", "run_workers", "start_workers", "wait_for"]

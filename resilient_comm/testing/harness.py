@@ -160,3 +160,15 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: 
     """Run fn(ctx, *args) on `world_size` workers and return their results, by rank."""
     with start_workers(fn, world_size, *args, timeout_s=timeout_s) as w:
         return w.join()
+
+
+def wait_for(cond: Callable[[], Any], what: str, timeout_s: float = 60.0) -> None:
+    """Bounded wait for a condition a job makes true (store keys, registrations); TimeoutError
+    naming `what` past `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.005
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(delay)  # pacing of the poll, not a synchronisation: the condition ends it
+        delay = min(0.1, delay * 2)
