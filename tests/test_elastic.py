@@ -200,9 +200,14 @@ def test_sigstop_shorter_than_the_slow_bound_evicts_nobody(tmp_path: Any) -> Non
 
 
 @pytest.mark.timeout(120)
-def test_sigstop_past_the_slow_bound_evicts_the_stopped_worker(tmp_path: Any) -> None:
+@pytest.mark.parametrize("heartbeat_ms", ["100", "300"])
+def test_sigstop_past_the_slow_bound_evicts_the_stopped_worker(tmp_path: Any, heartbeat_ms: str) -> None:
+    # With 300 ms beats the first 12 (fast) steps run within one interval: the rank must say
+    # at once that it left start-up, or its last beat says "start" and it is judged by the
+    # start-up bound (ten floors: evicted after 10 s, seen in CI with 100 ms beats).
     victim = 2
-    job = ToyJob(WORLD, ["--steps", str(STEPS), "--mark", f"{victim}:12"], str(tmp_path)).start()
+    job = ToyJob(WORLD, ["--steps", str(STEPS), "--mark", f"{victim}:12"], str(tmp_path),
+                 env={"RESILIENT_COMM_HEARTBEAT_MS": heartbeat_ms}).start()
     stopped = _stop_at(job, victim, 12)
     try:
         m = Membership(job.launcher.client(), job.launcher.namespace)

@@ -217,6 +217,7 @@ class Detector:
         self._gone: dict[int, Gone] = {}
         self._news = 0  # events received (a decision, the end, a rank gone): spares and waiters block on it
         self._progress = (-1, "start", time.monotonic())
+        self._seq = -1  # of the last beat sent
         self._times = StepTimes(config.window)
         self._comm_s = 0.0
         self._stop = threading.Event()
@@ -238,7 +239,7 @@ class Detector:
         from resilient_comm.elastic.agent import hello_line
 
         self._send(hello_line(self.rank, self.cfg))
-        self._beat(0)
+        self._beat()
         for t in self._threads:
             t.start()
 
@@ -267,7 +268,16 @@ class Detector:
     def progress(self, step: int, phase: str) -> None:
         if phase not in PHASES:
             raise ValueError(f"unknown phase {phase!r} (one of {PHASES})")
+        was = self._progress[1]
         self._progress = (step, phase, time.monotonic())
+        if was == "start" and phase != "start" and self._sock is not None:
+            # Out of start-up: say so at once, not at the next beat. Fast steps can run far
+            # within one heartbeat interval, and a rank stopped there would otherwise be
+            # judged by the start-up bound (ten floors) from its last beat.
+            try:
+                self._beat()
+            except OSError:
+                pass  # the agent is gone: the heartbeat thread reports it
 
     def step_done(self, seconds: float) -> None:
         with self._lock:
@@ -350,24 +360,26 @@ class Detector:
         for g in gones:
             self._on_gone(g)
 
-    def _beat(self, seq: int) -> None:
-        step, phase, since = self._progress
-        with self._lock:
-            p99, comm = self._times.p99(), self._comm_s
-        self._send(f"hb {seq} {step} {phase} {1e3 * (time.monotonic() - since):.1f} {1e3 * p99:.3f} {1e3 * comm:.3f}")
+    def _beat(self) -> None:
+        assert self._sock is not None
+        with self._send_lock:  # beats leave in the order of their numbers (two threads send them)
+            with self._lock:
+                self._seq += 1
+                seq, (step, phase, since) = self._seq, self._progress
+                p99, comm = self._times.p99(), self._comm_s
+            line = f"hb {seq} {step} {phase} {1e3 * (time.monotonic() - since):.1f} {1e3 * p99:.3f} {1e3 * comm:.3f}\n"
+            self._sock.sendall(line.encode())
 
     def _heartbeat_loop(self) -> None:
-        seq = 1
         next_at = time.monotonic()
         while not self._stop.is_set():
             next_at += self.cfg.heartbeat_s
             try:
-                self._beat(seq)
+                self._beat()
             except OSError as e:
                 if not self._stop.is_set():
                     self._lost(f"the node agent (resilient-run) is gone: {e}")
                 return
-            seq += 1
             # Pace the loop (not a synchronisation); after a stall, resume the cadence.
             delay = next_at - time.monotonic()
             if delay < 0:
