@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "check.h"
+#include "tcp_rig.h"
 #include "transport/tcp/auth.h"
 #include "transport/tcp/mesh.h"
 #include "transport/tcp/socket.h"
@@ -42,22 +43,10 @@ bool strangerTaken(const std::string& prefix) {
   store->set(prefix + "e1/addr/1", std::vector<uint8_t>(placeholder.begin(), placeholder.end()));
   auto c0 = make(0);
   std::thread build([&] { (void)c0->waitReady(Deadline::after(kLong)); });
-  struct Joiner {  // a failed CHECK below must not leave the thread joinable
-    std::thread& t;
-    std::shared_ptr<TcpCommunicator>& c;
-    ~Joiner() {
-      if (t.joinable()) {
-        c->abort("test failed");
-        t.join();
-      }
-    }
-  } joiner{build, c0};
-  store->wait({prefix + "e1/addr/0"}, std::chrono::milliseconds(5000));
-  std::vector<uint8_t> v = store->get(prefix + "e1/addr/0");
-  std::string addr(v.begin(), v.end());
-  auto colon = addr.rfind(':');
+  rc_test::BuildJoiner joiner{build, c0};
+  const auto [host, port] = rc_test::publishedAddress(*store, prefix + "e1/addr/0");
   AbortToken never;
-  Result<Socket> s = connectTo(addr.substr(0, colon), std::stoi(addr.substr(colon + 1)), Deadline::after(kLong), never);
+  Result<Socket> s = connectTo(host, port, Deadline::after(kLong), never);
   CHECK(s.isOk()) << s.status().toString();
   Hello forged{kWireMagic, 1, 2, 0, fnv1a(prefix + "e1/") ^ 2ULL, 42, 0};
   CHECK(writeAll(s.value(), &forged, sizeof(forged), Deadline::after(kLong), never).isOk());

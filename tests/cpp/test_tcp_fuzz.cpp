@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "check.h"
+#include "tcp_rig.h"
 #include "transport/tcp/auth.h"
 #include "transport/tcp/mesh.h"
 #include "transport/tcp/socket.h"
@@ -182,21 +183,8 @@ TEST(tcp_hello_fuzz_never_stalls_or_poisons_a_build) {
   auto c0 = make(0);
   Status built0;
   std::thread build([&] { built0 = c0->waitReady(Deadline::after(std::chrono::seconds(20))); });
-  struct Joiner {
-    std::thread& t;
-    std::shared_ptr<TcpCommunicator>& c;
-    ~Joiner() {
-      if (t.joinable()) {
-        c->abort("test failed");
-        t.join();
-      }
-    }
-  } joiner{build, c0};
-  store->wait({prefix + "e1/addr/0"}, std::chrono::milliseconds(5000));
-  std::vector<uint8_t> v = store->get(prefix + "e1/addr/0");
-  const std::string addr(v.begin(), v.end());
-  const std::string host = addr.substr(0, addr.rfind(':'));
-  const int port = std::stoi(addr.substr(addr.rfind(':') + 1));
+  rc_test::BuildJoiner joiner{build, c0};
+  const auto [host, port] = rc_test::publishedAddress(*store, prefix + "e1/addr/0");
 
   std::mt19937_64 rng(7);
   AbortToken never;
