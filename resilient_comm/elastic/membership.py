@@ -68,7 +68,7 @@ ENV_TOKEN = "RESILIENT_COMM_TOKEN"
 # 512-key calls 15, 15 and 46 ms), so the decider's reads of every join record go in chunks:
 # one 16K-key wait took longer than the decider's 100 ms slice, so it never succeeded.
 CHUNK_KEYS = 512
-_MIN_WAIT_S = 0.05  # a chunk's wait, at least (one that is there answers at once)
+_MIN_WAIT_S = 0.005  # a chunk's wait, at least (one that is there answers at once)
 
 
 def _chunks(keys: list[str]) -> list[list[str]]:
