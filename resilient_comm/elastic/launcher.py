@@ -78,10 +78,9 @@ import torch.distributed as dist
 
 from resilient_comm.elastic.agent import ENV_AGENT, NodeAgent
 from resilient_comm.elastic.controller import ENV_NAMESPACE, ENV_SPARE, ENV_STORE, EXIT_EVICTED
-from resilient_comm.elastic.membership import Decision, Gone, Membership, connect, now
+from resilient_comm.elastic.membership import ENV_TOKEN, Decision, Gone, Membership, connect, now
 
 log = logging.getLogger("resilient_comm.launcher")
-ENV_TOKEN = "RESILIENT_COMM_TOKEN"
 
 
 @dataclass

@@ -28,6 +28,19 @@ struct BuildJoiner {
   }
 };
 
+// Rank `rank` of a 2-rank TCP group `name` meeting under `prefix` of `store`.
+inline std::shared_ptr<resilient_comm::tcp::TcpCommunicator> twoRankComm(
+    const c10::intrusive_ptr<c10d::Store>& store, const std::string& name, const std::string& prefix, int rank,
+    std::chrono::milliseconds within) {
+  resilient_comm::tcp::TcpOptions o;
+  o.name = name;
+  o.store = store;
+  o.prefix = prefix;
+  o.rank = rank;
+  o.size = 2;
+  return resilient_comm::tcp::TcpCommunicator::create(std::move(o), resilient_comm::Deadline::after(within));
+}
+
 // (host, port) of the listener published under `key`, once it is there.
 inline std::pair<std::string, int> publishedAddress(c10d::Store& store, const std::string& key) {
   store.wait({key}, std::chrono::milliseconds(5000));

@@ -28,15 +28,7 @@ constexpr std::chrono::milliseconds kLong(10000);
 // whether rank 0's build took the stranger.
 bool strangerTaken(const std::string& prefix) {
   auto store = c10::make_intrusive<c10d::HashStore>();
-  auto make = [&](int r) {
-    TcpOptions o;
-    o.name = "auth-test";
-    o.store = store;
-    o.prefix = prefix;
-    o.rank = r;
-    o.size = 2;
-    return TcpCommunicator::create(std::move(o), Deadline::after(kLong));
-  };
+  auto make = [&](int r) { return rc_test::twoRankComm(store, "auth-test", prefix, r, kLong); };
   // Rank 1's address, for now (rank 0 only accepts from it): rank 0's build gets to its accept
   // loop before rank 1 exists; the real rank 1 publishes its own when it starts.
   std::string placeholder = "127.0.0.1:1";

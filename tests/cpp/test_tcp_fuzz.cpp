@@ -171,15 +171,7 @@ TEST(tcp_hello_fuzz_never_stalls_or_poisons_a_build) {
   } unset;
   auto store = c10::make_intrusive<c10d::HashStore>();
   const std::string prefix = "fuzz-hello/";
-  auto make = [&](int r) {
-    TcpOptions o;
-    o.name = "fuzz";
-    o.store = store;
-    o.prefix = prefix;
-    o.rank = r;
-    o.size = 2;
-    return TcpCommunicator::create(std::move(o), Deadline::after(std::chrono::seconds(20)));
-  };
+  auto make = [&](int r) { return rc_test::twoRankComm(store, "fuzz", prefix, r, std::chrono::seconds(20)); };
   auto c0 = make(0);
   Status built0;
   std::thread build([&] { built0 = c0->waitReady(Deadline::after(std::chrono::seconds(20))); });
