@@ -25,6 +25,9 @@ Matrices
            small and 3 MiB sizes: ring and rd at world size 3 (not a power of two), rd at 4
            and 6 (fewer cases), and ring at 4 with a 1000-byte pipelining chunk (fewer cases),
            so that it runs many chunks through its window of receive slots.
+  lazy     RESILIENT_COMM_TCP_FULL_MESH=2: the reduced matrix at world sizes 5 and 8, where a rank
+           connects its two ring neighbours at init and every other peer on first use (the path
+           of groups larger than 64 ranks; csrc/transport/tcp/mesh.h).
   nccl     the same matrix on resilient_nccl with RESILIENT_COMM_NCCL_EMULATE=1 (CPU tensors on the
            NCCL code path: stream-ordered launches, NCCL groups, the NCCL emulator's kernels), at
            every world size 1-8, with 1 ms kernels at world size 2; int16 is data only there
@@ -626,6 +629,20 @@ def _run(cfg: dict, world_size: int, timeout_s: float) -> None:
           f"{v['elapsed_s']:.1f}s, wall {time.monotonic() - t0:.1f}s; slowest cases on rank 0: {v['slowest'][:3]}")
 
 
+def _reduced(label: str, env: dict) -> dict:
+    """The reduced matrix: fewer dtypes and sizes, every collective and op still."""
+    return {
+        "label": label,
+        "env": env,
+        "dtypes": REDUCED_DTYPES,
+        "sizes": [0, 1, 1023],
+        "collectives": REDUCING + MOVING,
+        "large": _large_all()[:1] + [c for c in _large_all() if c[0] != "all_reduce"],
+        "p2p": True,
+        "extras": True,
+    }
+
+
 # ----------------------------------------------------------------------------------------------
 # Tests
 # ----------------------------------------------------------------------------------------------
@@ -652,17 +669,15 @@ def test_full_matrix(world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [1, 5, 8])
 def test_reduced_matrix(world_size: int) -> None:
     """Fewer dtypes and sizes at world sizes 1, 5 and 8 (every collective and op still)."""
-    cfg = {
-        "label": f"reduced ws={world_size} algo=auto",
-        "env": {},
-        "dtypes": REDUCED_DTYPES,
-        "sizes": [0, 1, 1023],
-        "collectives": REDUCING + MOVING,
-        "large": _large_all()[:1] + [c for c in _large_all() if c[0] != "all_reduce"],
-        "p2p": True,
-        "extras": True,
-    }
-    _run(cfg, world_size, timeout_s=140)
+    _run(_reduced(f"reduced ws={world_size} algo=auto", {}), world_size, timeout_s=140)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world_size", [5, 8])
+def test_lazy_connections_matrix(world_size: int) -> None:
+    """The reduced matrix with connections made on first use (all but the ring neighbours)."""
+    _run(_reduced(f"lazy ws={world_size} algo=auto", {"RESILIENT_COMM_TCP_FULL_MESH": "2"}), world_size,
+         timeout_s=140)
 
 
 @pytest.mark.timeout(150)

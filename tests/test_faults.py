@@ -1,6 +1,8 @@
 """A peer SIGKILLed in the middle of a loop of all_reduces: every survivor, ring neighbour or
 not, gets a clear error within 2 s of the kill (the op timeout is 30 s), stays alive, and
-can build a new process group of the survivors."""
+can build a new process group of the survivors; also where the ranks connect on first use
+(RESILIENT_COMM_TCP_FULL_MESH below the world size), so most survivors hold no connection to
+the victim."""
 
 from __future__ import annotations
 
@@ -18,9 +20,13 @@ OP_TIMEOUT_S = 30.0
 DETECT_BOUND_S = 2.0
 
 
-def _loop_until_failure(ctx: WorkerContext, victim: int, numel: int) -> dict:
+def _loop_until_failure(ctx: WorkerContext, victim: int, numel: int, full_mesh: int | None) -> dict:
+    import os
+
     import resilient_comm
 
+    if full_mesh is not None:  # read when the communicator is built
+        os.environ["RESILIENT_COMM_TCP_FULL_MESH"] = str(full_mesh)
     ctx.init("resilient_tcp", timeout_s=OP_TIMEOUT_S)
     store = ctx.store()
     t = torch.ones(numel)
@@ -56,16 +62,21 @@ def _loop_until_failure(ctx: WorkerContext, victim: int, numel: int) -> dict:
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
-    "world_size,victim,numel",
+    "world_size,victim,numel,full_mesh",
     [
-        (4, 0, 1 << 18),  # first rank, ring-sized messages
-        (4, 2, 1 << 18),  # middle rank
-        (4, 3, 16),  # last rank, small (log-depth) messages
-        (8, 5, 1 << 16),  # larger world: most survivors are not the victim's neighbours
+        (4, 0, 1 << 18, None),  # first rank, ring-sized messages
+        (4, 2, 1 << 18, None),  # middle rank
+        (4, 3, 16, None),  # last rank, small (log-depth) messages
+        (8, 5, 1 << 16, None),  # larger world: most survivors are not the victim's neighbours
+        # Connections on first use (a large group's path): only the ring neighbours and the
+        # recursive-doubling partners are connected, yet every survivor hears within the bound.
+        (8, 5, 16, 2),
+        (8, 2, 1 << 20, 2),  # ring-sized: nothing but the ring is connected
     ],
 )
-def test_sigkill_mid_allreduce_every_survivor_errors_fast(world_size: int, victim: int, numel: int) -> None:
-    with start_workers(_loop_until_failure, world_size, victim, numel, timeout_s=60) as w:
+def test_sigkill_mid_allreduce_every_survivor_errors_fast(world_size: int, victim: int, numel: int,
+                                                           full_mesh: int | None) -> None:
+    with start_workers(_loop_until_failure, world_size, victim, numel, full_mesh, timeout_s=60) as w:
         w.wait_ranks("looping")
         w.kill(victim, signal.SIGKILL)
         killed_at = time.time()

@@ -15,6 +15,8 @@ namespace resilient_comm::env {
     "TCP collective algorithm: auto (alpha-beta cost model), ring, rd (log-depth), direct")      \
   X(kHost, "RESILIENT_COMM_HOST", "",                                                            \
     "address this rank publishes for TCP connections (default: the host name's IPv4 address)")   \
+  X(kTcpFullMesh, "RESILIENT_COMM_TCP_FULL_MESH", "64",                                       \
+    "TCP groups of at most this many ranks connect every pair at init; larger ones connect on first use") \
   X(kChunkBytes, "RESILIENT_COMM_CHUNK_BYTES", "262144",                                         \
     "pipelining chunk of the ring algorithms, in bytes")                                         \
   X(kAlphaUs, "RESILIENT_COMM_ALPHA_US", "25",                                                   \

@@ -64,7 +64,24 @@ std::shared_ptr<TcpCommunicator> TcpCommunicator::fromAddressBook(TcpOptions opt
   return comm;
 }
 
-TcpCommunicator::~TcpCommunicator() = default;
+TcpCommunicator::~TcpCommunicator() {
+  endLinks();
+}
+
+int TcpCommunicator::connections() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int n = 0;
+  for (const Peer& p : peers_) {
+    n += p.sock.valid() ? 1 : 0;
+  }
+  return n;
+}
+
+void TcpCommunicator::endLinks() {
+  if (listener_) {
+    listener_->ended(meshHash());
+  }
+}
 
 Caps TcpCommunicator::transportCaps() {
   Caps c;
@@ -81,7 +98,7 @@ void TcpCommunicator::start(std::function<Status(TcpCommunicator&, const Deadlin
   plan_ = std::move(plan);
   buildDl_ = dl;
   if (listener_) {
-    listener_->started(meshHash());  // before anything can abandon it: see Listener
+    listener_->started(meshHash(), opts_.size, opts_.rank);  // its members may dial already
   }
   // The first op (or waitReady) usually runs the build on its own thread; the backstop makes
   // sure it starts anyway. See [Note: a build runs on the first thread that needs it].
@@ -100,6 +117,9 @@ void TcpCommunicator::runBuild(const Deadline& dl) {
     return;  // aborted before it began
   }
   Status st = opts_.size == 1 ? Status::ok() : plan_(*this, dl);
+  if (!st.isOk()) {
+    endLinks();
+  }
   // mu_ across the transition and the shutdown: a derive() that adopts sockets sees either a
   // build still running or every socket already shut.
   std::lock_guard<std::mutex> lock(mu_);
@@ -125,9 +145,11 @@ uint64_t TcpCommunicator::meshHash() const {
 }
 
 Status TcpCommunicator::buildMesh(const Deadline& dl, bool derived) {
-  MeshSpec spec{opts_.rank, opts_.size, addrs_, meshHash(), derived, parent_};
+  listener_->started(meshHash(), opts_.size, opts_.rank);  // once: a derived build started at start()
+  MeshSpec spec{opts_.rank, opts_.size, addrs_, meshHash(), derived, parent_, fullMeshFromEnv()};
+  links_ = std::make_unique<Links>(std::move(spec), listener_, peers_, mu_, abort_);
   int reused = 0;
-  RC_RETURN_IF_ERROR(tcp::buildMesh(spec, *listener_, peers_, mu_, dl, abort_, &reused));
+  RC_RETURN_IF_ERROR(links_->build(dl, &reused));
   reused_.store(reused);
   return Status::ok();
 }
@@ -211,6 +233,7 @@ void TcpCommunicator::retire(const std::string& reason) {
   if (wasReady) {
     sendErrorFrames(peers_, opts_.rank, Status(StatusCode::kAborted, reason), seq_, meshHash());
     shutdownDirty();
+    endLinks();
   }
 }
 
@@ -346,10 +369,16 @@ Status TcpCommunicator::awaitBuild(const Deadline& deadline) {
 }
 
 void TcpCommunicator::abort(const std::string& reason) {
+  // Only a Ready communicator's listener and hash are settled; a build that is still running
+  // ends its links itself when the abort stops it.
+  const bool wasReady = state() == CommState::kReady;
   const bool live = markAborted(reason);
   abort_.abort(reason);
   if (live) {  // else already failed: no op is in flight, and the peers were told
     shutdownSockets();
+  }
+  if (wasReady) {
+    endLinks();
   }
 }
 
@@ -377,6 +406,7 @@ Status TcpCommunicator::fail(const Status& st, const std::string& where) {
   const bool first = markFailed(st.withContext(where));
   abort_.abort(st.message());
   shutdownDirty();  // the clean ones carried a kError frame (transfer.h)
+  endLinks();
   // The op that broke the communicator reports its own cause; an op that merely ran into an
   // abort from another thread reports that abort (the first error wins).
   return first ? st : error();
@@ -416,7 +446,7 @@ Status TcpCommunicator::collective(OpKind op, DataType dt, RedOp redop, const De
     return Status(StatusCode::kInvalidArgument, std::string("avg needs a floating-point dtype, got ") + dataTypeName(dt));
   }
   AlgoContext ctx{peers_, opts_.rank, opts_.size, MsgMeta{op, dt, redop, seq, rootTag(root), meshHash()}, dl, abort_, scratch_,
-                  model_.chunkBytes};
+                  model_.chunkBytes, links_.get()};
   return fail(body(ctx), where);
 }
 
@@ -564,7 +594,8 @@ Status TcpCommunicator::sendRecv(const std::vector<P2POp>& ops, const Deadline& 
   // call them. Each direction of each pair counts its own messages instead.
   const std::string where = "send/recv on group '" + opts_.name + "' rank " + std::to_string(opts_.rank);
   RC_RETURN_IF_ERROR(ready(dl));
-  Transfer x(peers_, opts_.rank, MsgMeta{OpKind::kSendRecv, DataType::kUInt8, RedOp::kSum, 0, 0, meshHash()}, dl, abort_);
+  Transfer x(peers_, opts_.rank, MsgMeta{OpKind::kSendRecv, DataType::kUInt8, RedOp::kSum, 0, 0, meshHash()}, dl, abort_,
+             links_.get());
   auto post = [&](const std::vector<P2POp>& list) {
     for (const P2POp& op : list) {
       if (op.kind == P2POp::Kind::kSend) {

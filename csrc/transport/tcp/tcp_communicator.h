@@ -2,7 +2,8 @@
 //
 // Lifecycle: create() returns at once in Initializing; the build publishes this rank's
 // listening address under an epoch-scoped store key, reads every rank's address (the address
-// book), connects a full mesh (see mesh.h) and moves to Ready. The build runs on the first
+// book), connects every pair or, in a large group, the ring neighbours (the rest connect on
+// first use: mesh.h, [Note: lazy connections]) and moves to Ready. The build runs on the first
 // thread that needs it: the first collective, or a waitReady() that will wait for all of it;
 // a build nobody claims within 2 ms gets a thread of its own from the backstop (see
 // [Note: a build runs on the first thread that needs it] in common/backstop.h), and so does
@@ -121,6 +122,10 @@ class TcpCommunicator : public CommLifecycle, public std::enable_shared_from_thi
     return reused_.load();
   }
 
+  // Peers this rank holds a connection to (for tests and benchmarks): all of them in a small
+  // group, in a large one those its ops have used (mesh.h, [Note: lazy connections]).
+  int connections() const;
+
   // The algorithm the cost model picks (for tests and benchmarks).
   Algo chooseAlgo(OpKind op, size_t bytes) const {
     return model_.choose(op, bytes, opts_.size);
@@ -166,6 +171,8 @@ class TcpCommunicator : public CommLifecycle, public std::enable_shared_from_thi
   Status awaitFences(const Deadline& deadline);
   Status built(const Deadline& dl);
   void shutdownSockets();
+  // This communicator takes no more connections: the listener refuses its Hellos from now on.
+  void endLinks();
   // Shuts down the connections marked dirty (owner thread; see transfer.h).
   void shutdownDirty();
 
@@ -190,6 +197,7 @@ class TcpCommunicator : public CommLifecycle, public std::enable_shared_from_thi
 
   // Set by the build before Ready; read-only afterwards.
   std::shared_ptr<Listener> listener_;
+  std::unique_ptr<Links> links_;    // made by buildMesh; then the op thread's
   std::vector<std::string> addrs_;  // every rank's listening address
   std::string epoch_;               // unique name of this communicator; children derive theirs
   int derived_ = 0;                 // children made so far (every member counts alike)

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "common/check.h"
+#include "transport/tcp/mesh.h"
 #include "transport/tcp/resync.h"
 
 namespace resilient_comm::tcp {
@@ -26,6 +27,10 @@ constexpr size_t kMaxErrorText = 4096;
 // fence as it lands would wake the first op of a shrunk group once per peer, while a peer
 // that built another group, or failed to build, is still found about this soon.
 constexpr std::chrono::milliseconds kWatchFencedAfter{1};
+// A higher rank that has not dialled within this long is probed (and then every
+// kProbeEvery): one that died is a PeerFailure at once rather than at the deadline.
+constexpr std::chrono::milliseconds kProbeAfter{100};
+constexpr std::chrono::milliseconds kProbeEvery{500};
 
 std::string describeHeader(const WireHeader& h) {
   std::string s = std::string(opKindName(static_cast<OpKind>(h.op))) + " #" + std::to_string(h.seq) + " (" +
@@ -49,14 +54,16 @@ bool wouldBlock(int err) {
 }  // namespace
 
 Transfer::Transfer(std::vector<Peer>& peers, int self, const MsgMeta& meta, const Deadline& dl,
-                   const AbortToken& abort)
+                   const AbortToken& abort, Links* links)
     : peers_(peers),
       self_(self),
       meta_(meta),
       dl_(dl),
       abort_(abort),
       q_(peers.size()),
-      ignoreInput_(peers.size(), false) {}
+      ignoreInput_(peers.size(), false),
+      links_(links),
+      probeAt_(Deadline::after(kProbeAfter)) {}
 
 WireHeader Transfer::header(size_t bytes, uint64_t seq, uint64_t tag) const {
   WireHeader h{};
@@ -394,6 +401,9 @@ std::string Transfer::describePending() const {
     if (!q_[p].sends.empty()) {
       s += (s.empty() ? "" : ", ") + std::string("sending to rank ") + std::to_string(p);
     }
+    if ((!q_[p].recvs.empty() || !q_[p].sends.empty()) && !peers_[p].sock.valid()) {
+      s += " (rank " + std::to_string(p) + " never connected)";
+    }
   }
   return s;
 }
@@ -427,12 +437,41 @@ void Transfer::notifyPeers(const Status& failure) {
   sendErrorFrames(peers_, self_, failure, meta_.seq, meta_.comm);
 }
 
+Status Transfer::link(bool* waiting) {
+  *waiting = false;
+  for (size_t p = 0; p < q_.size(); ++p) {
+    if (peers_[p].sock.valid() || (q_[p].sends.empty() && q_[p].recvs.empty())) {
+      continue;
+    }
+    if (links_ == nullptr) {
+      return Status(StatusCode::kPeerFailure, "no connection to rank " + std::to_string(p));
+    }
+    RC_RETURN_IF_ERROR(links_->link(static_cast<int>(p), dl_));
+    if (!peers_[p].sock.valid()) {
+      *waiting = true;
+      if (probeAt_.passed()) {
+        RC_RETURN_IF_ERROR(links_->probe(static_cast<int>(p), dl_));
+      }
+    }
+  }
+  if (*waiting && probeAt_.passed()) {
+    probeAt_ = Deadline::after(kProbeEvery);
+  }
+  return Status::ok();
+}
+
 Status Transfer::run() {
   Status st = [&]() -> Status {
     bool progressed = false;
+    bool waiting = false;  // for a higher rank to dial us (mesh.h, [Note: lazy connections])
+    RC_RETURN_IF_ERROR(link(&waiting));
     for (size_t p = 0; p < q_.size(); ++p) {
-      RC_RETURN_IF_ERROR(progressSend(static_cast<int>(p), &progressed));
+      if (peers_[p].sock.valid()) {
+        RC_RETURN_IF_ERROR(progressSend(static_cast<int>(p), &progressed));
+      }
     }
+    // A rank whose peers connect on first use answers their Hellos while it waits.
+    const bool pumping = links_ != nullptr && links_->onDemand();
     const Deadline watchFenced(Deadline::Clock::now() + kWatchFencedAfter);
     std::vector<pollfd> fds;
     std::vector<int> who;
@@ -475,7 +514,16 @@ Status Transfer::run() {
         fds.push_back(pollfd{wakeFd_, POLLIN, 0});
         who.push_back(-1);
       }
-      int rc = ::poll(fds.data(), fds.size(), (deferred ? watchFenced.earliest(dl_) : dl_).remainingMs());
+      int cap = 1 << 30;
+      if (pumping) {
+        fds.push_back(pollfd{links_->listenerSocket().fd(), POLLIN, 0});
+        who.push_back(-2);
+        // A Hello's bytes after its accept do not wake the listener; an abort does not wake a
+        // wait for a connection: both are polled for.
+        cap = links_->helloPending() ? 1 : waiting ? 10 : cap;
+      }
+      int rc = ::poll(fds.data(), fds.size(), (deferred ? watchFenced.earliest(dl_) : dl_).remainingMs(cap));
+      bool listenerReady = false;
       if (rc < 0) {
         if (errno == EINTR) {
           continue;
@@ -488,6 +536,10 @@ Status Transfer::run() {
           continue;
         }
         int p = who[i];
+        if (p == -2) {
+          listenerReady = true;  // pumped below
+          continue;
+        }
         if (p < 0) {
           uint64_t n = 0;
           (void)!::read(wakeFd_, &n, sizeof(n));
@@ -526,9 +578,14 @@ Status Transfer::run() {
                             " was still sending to it; it died, exited or aborted");
         }
       }
-      // Callbacks may have queued sends: push them out before sleeping again.
+      if (listenerReady || (pumping && links_->helloPending())) {
+        links_->pump();
+      }
+      // Callbacks may have queued messages to peers not connected yet, and sends: connect
+      // them, and push the sends out before sleeping again.
+      RC_RETURN_IF_ERROR(link(&waiting));
       for (size_t p = 0; p < q_.size(); ++p) {
-        if (!q_[p].sends.empty()) {
+        if (!q_[p].sends.empty() && peers_[p].sock.valid()) {
           bool moved = false;
           RC_RETURN_IF_ERROR(progressSend(static_cast<int>(p), &moved));
         }

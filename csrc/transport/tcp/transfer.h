@@ -43,6 +43,8 @@
 
 namespace resilient_comm::tcp {
 
+class Links;
+
 // A connection to one peer, owned by the communicator.
 struct Peer {
   Socket sock;
@@ -84,7 +86,10 @@ class Transfer {
  public:
   using Callback = std::function<Status()>;
 
-  Transfer(std::vector<Peer>& peers, int self, const MsgMeta& meta, const Deadline& dl, const AbortToken& abort);
+  // `links`: connects the peers that have no connection yet when a message is posted to them
+  // (mesh.h, [Note: lazy connections]); without it every peer an op uses must be connected.
+  Transfer(std::vector<Peer>& peers, int self, const MsgMeta& meta, const Deadline& dl, const AbortToken& abort,
+           Links* links = nullptr);
 
   void send(int peer, const void* buf, size_t bytes);
   // A send that the peer confirms once it found the header to match its own op (wire.h,
@@ -141,6 +146,9 @@ class Transfer {
   void markDirty(bool sending);
   std::string describePending() const;
   bool pending() const;
+  // Connects (or takes the connection of) every peer with a message posted and no connection;
+  // `*waiting`: some higher rank has not dialled yet.
+  Status link(bool* waiting);
   void notifyPeers(const Status& failure);
 
   std::vector<Peer>& peers_;
@@ -150,6 +158,9 @@ class Transfer {
   const AbortToken& abort_;
   std::vector<Queues> q_;
   std::vector<bool> ignoreInput_;  // a later op's message is waiting: stop peeking
+  Links* links_;
+  // When to next probe the higher ranks this op waits to hear a Hello from (Links::probe).
+  Deadline probeAt_;
   int wakeFd_ = -1;
   Callback onWake_;
 };

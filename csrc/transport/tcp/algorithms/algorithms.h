@@ -42,9 +42,10 @@ struct AlgoContext {
   const AbortToken& abort;
   Scratch& scratch;
   size_t chunkBytes;
+  Links* links = nullptr;  // connects peers on first use (mesh.h); null: all connected
 
   Transfer transfer() const {
-    return Transfer(peers, rank, meta, dl, abort);
+    return Transfer(peers, rank, meta, dl, abort, links);
   }
 };
 
