@@ -72,7 +72,7 @@ def run_nodes(nodes: int, per_node: int, steps: int, kill_step: int, timeout_s: 
             bad = next(i for i, st in enumerate(status) if st)
             print(f"a surviving node failed (statuses {status}); node {bad}'s log ends:\n{_tail(logs[bad].name)}")
             return 1
-        m = Membership(store, "rc/demo/g0", nodes)
+        m = Membership(store, "rc/demo/g0")
         d = m.decision(1)
         assert d is not None
         g = m.gone(d.lost)

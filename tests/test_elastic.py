@@ -280,7 +280,7 @@ def test_a_whole_node_sigkill_is_seen_by_the_next_node_and_the_job_goes_on(tmp_p
         node1.wait()
     finally:
         store.set(f"toy/go/{hold}", "1")
-    m = Membership(store, job.launcher.namespace, 2)
+    m = Membership(store, job.launcher.namespace)
     assert job.wait(120) == 0, (tmp_path / "node1.log").read_text()[-2000:]
     d = m.decision(1)
     assert d is not None and (d.members, sorted(d.lost), d.mode) == ([0, 1], [2, 3], "shrink"), d
@@ -331,7 +331,7 @@ def test_a_capacity_node_started_late_takes_a_lost_nodes_ranks_with_its_spares(t
         return (tmp_path / f"node{rank}.log").read_text()[-3000:]
 
     store = job.launcher.client()
-    m = Membership(store, job.launcher.namespace, 3)
+    m = Membership(store, job.launcher.namespace)
     spares = [WORLD + 2, WORLD + 3 + 2]  # node 2's: W + j * MAX + 2
     try:
         launch(1)

@@ -106,13 +106,12 @@ def test_epochs_are_proposed_by_compare_and_set_and_decided_once(store: dist.TCP
 
 @pytest.mark.timeout(30)
 def test_failure_reports_are_recorded_once_and_events_have_no_holes(store: dist.TCPStore) -> None:
-    m = Membership(store, "rc/t", nodes=3)
+    m = Membership(store, "rc/t")
     assert m.report_gone(Gone(1, "exit", "killed by SIGKILL", 10.0, "launcher"))
     assert not m.report_gone(Gone(1, "suspect", "heartbeat silent", 9.0, "rank 0")), "first evidence wins"
     assert m.gone([0, 1, 2]) == {1: Gone(1, "exit", "killed by SIGKILL", 10.0, "launcher")}
-    assert [m.wait_node_wake(n) for n in range(3)] == ["event"] * 3, "every node's agent is woken"
 
-    posters = [Membership(store.clone(), "rc/t", nodes=3) for _ in range(4)]  # type: ignore[attr-defined]
+    posters = [Membership(store.clone(), "rc/t") for _ in range(4)]  # type: ignore[attr-defined]
     got: list[int] = []
     threads = [threading.Thread(target=lambda p=p, i=i: got.append(p.post_event({"kind": "x", "i": i})))
                for i, p in enumerate(posters)]
@@ -241,6 +240,50 @@ def test_a_decision_at_16k_ranks_is_small_and_a_malformed_run_is_refused() -> No
     for bad in ("5-3", "0-99999999", "a-b", "-1"):
         with pytest.raises(ValueError):
             Decision.from_json(text.replace("0-99,16384", bad + ",16384"))
+
+
+class _Calls:
+    """A store that counts the calls made through it."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self._s, self.n = store, 0
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._s, name)
+
+        def call(*a: Any) -> Any:
+            self.n += 1
+            return fn(*a)
+
+        return call
+
+
+@pytest.mark.timeout(30)
+def test_one_write_wakes_every_agent_waiting_for_the_next_event(store: dist.TCPStore) -> None:
+    """The agents of every node wait for the next event's key; posting is one write, however
+    many wait (the poster used to push a wake-up to each node's queue: 2,048 calls at 16K ranks)."""
+    waiters = [Membership(store.clone(), "rc/w") for _ in range(16)]  # type: ignore[attr-defined]
+    woke: list[float] = []
+    threads = [threading.Thread(target=lambda w=w: (w.wait_event(0), woke.append(time.monotonic())))
+               for w in waiters]
+    for t in threads:
+        t.start()
+    counted = _Calls(store)
+    posted_at = time.monotonic()
+    assert Membership(cast(Any, counted), "rc/w").post_event({"kind": "x"}) == 0
+    for t in threads:
+        t.join(10)
+    assert counted.n == 1, f"posting took {counted.n} store calls"
+    assert len(woke) == 16 and max(woke) - posted_at < 2.0, f"{len(woke)} of 16 woke"
+    # A stopping agent wakes its events thread out of the store's wait, writing no event.
+    waiter = threading.Thread(target=waiters[0].wait_event, args=(1,))
+    waiter.start()
+    for _ in range(100):  # a wake before the wait began is lost: as the agent does, again
+        Membership(store, "rc/w").wake_event_waiters(1)
+        waiter.join(0.1)
+        if not waiter.is_alive():
+            break
+    assert not waiter.is_alive() and waiters[0].event(1) is None
 
 
 class _KeysPerCall:

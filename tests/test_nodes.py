@@ -45,7 +45,7 @@ class Job:
             if i not in late:
                 self.launch(i)
         self.store = EtcdStore(c.endpoints(), datetime.timedelta(seconds=120))
-        self.m = Membership(self.store, "rc/job/g0", NODES)
+        self.m = Membership(self.store, "rc/job/g0")
 
     def launch(self, i: int) -> None:
         """Start node i's launcher (--spares only where given: a capacity node's default is its own)."""

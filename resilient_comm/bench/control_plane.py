@@ -145,7 +145,7 @@ def _driver(spec: str, nodes: list[int], nnodes: int, per_node: int, hb_s: float
 
     def connect(_: object = None) -> Membership:
         store = membership.connect(spec, datetime.timedelta(seconds=120))
-        return Membership(cast(Any, CountingStore(store, counter)), KEY, nnodes)
+        return Membership(cast(Any, CountingStore(store, counter)), KEY)
 
     # Connections are opened in parallel: on a resolver that drops queries, one c10d
     # connection in ~20 stalls 5 s in a reverse lookup of its peer (docs/elastic.md).
@@ -164,7 +164,7 @@ def _driver(spec: str, nodes: list[int], nnodes: int, per_node: int, hb_s: float
         agents[n] = a
         beat_due[n] = 0.0
     if 0 in agents:
-        Membership(agents[0].m.store, KEY, nnodes).start(
+        Membership(agents[0].m.store, KEY).start(
             Decision(0, list(range(world)), Mesh(dp=world).as_dict(), "init", 0))
     conn.send("ready")
     seq, measuring = 0, None
@@ -220,14 +220,14 @@ def _driver(spec: str, nodes: list[int], nnodes: int, per_node: int, hb_s: float
             time.sleep(wait)  # pacing the emulated workers' beats
 
 
-def _decider(spec: str, nnodes: int, conn: Any) -> None:
+def _decider(spec: str, conn: Any) -> None:
     """Rank 0's controller as the decider (its own process, as a worker has on a node): told
     of the ranks gone and of each epoch to decide, it polls the joins and publishes."""
 
     from resilient_comm.elastic.decision import decide
     from resilient_comm.elastic.membership import Membership, connect, join_poll_cap_s
 
-    m = Membership(connect(spec, datetime.timedelta(seconds=120)), KEY, nnodes)
+    m = Membership(connect(spec, datetime.timedelta(seconds=120)), KEY)
     known: set[int] = set()
     conn.send("ready")
     while (msg := conn.recv()) is not None:
@@ -363,7 +363,7 @@ def _run_one(spec: str, spids: list[int], n_ranks: int, per_node: int, procs: in
     procs = max(1, min(procs, nnodes))
     owners = [list(range(nnodes))[i::procs] for i in range(procs)]
     to_decider, decider_end = ctx.Pipe()
-    decider = ctx.Process(target=_decider, args=(spec, nnodes, decider_end), daemon=True)
+    decider = ctx.Process(target=_decider, args=(spec, decider_end), daemon=True)
     decider.start()
     pipes, drivers = [], []
     for i, nodes in enumerate(owners):
@@ -401,7 +401,7 @@ def _run_one(spec: str, spids: list[int], n_ranks: int, per_node: int, procs: in
     from resilient_comm.elastic.membership import Membership, connect
 
     client = connect(spec, datetime.timedelta(seconds=60))
-    m = Membership(client, KEY, nnodes)
+    m = Membership(client, KEY)
     for label, epoch, node, cmd in (("exit", 1, nnodes // 2, "exit"), ("silent node", 2, max(1, nnodes // 4),
                                                                        "silence")):
         pipe = pipes[owner[node]]

@@ -22,11 +22,11 @@ agents"):
 - **Fencing** (etcd): an agent whose last keepalive the store answered is older than its lease
   (less a margin) tells its workers ``fence``; they raise ``Evicted`` before the others can
   see the lease expire and decide without them.
-- **Events** (a rank gone, a decision published, the job finished) reach each agent once: on
-  a TCPStore they wake one queue per node, ``{ns}/wake/node/{n}`` (every second the agent also
-  looks for an event past the last one read, in case a poster died between posting and
-  waking); on etcd the agent watches the next event's key. It forwards each event to its
-  processes, with the gone records it names.
+- **Events** (a rank gone, a decision published, the job finished) reach each agent once:
+  every agent waits for the next event's key (on a TCPStore a wait the store answers for all
+  its waiters when the poster writes the key, so posting costs one write whatever the number
+  of nodes; on etcd a watch). It forwards each event to its processes, with the gone records
+  it names.
 
 Protocol on the socket: ASCII lines of at most `MAX_LINE` bytes.
 
@@ -203,7 +203,6 @@ class NodeAgent:
         self._next_tick = time.monotonic()
         self._next_node_beat = self._next_tick
         self._next_judge = self._next_tick
-        self._next_missed_check = self._next_tick
         self._watched: int | None = None  # the ring successor
         self._succ_view = PeerView()
         self._succ_procs: dict[int, RemoteProc] = {}
@@ -376,10 +375,6 @@ class NodeAgent:
                 with self._lock:
                     observers = list(self._observers)
                 self._watch_successor(self.m, observers, t)
-                if t >= self._next_missed_check:
-                    self._next_missed_check = t + 1.0
-                    if self.m.event(self._next_event) is not None:
-                        self.m.wake_node(self.node, "missed")  # its poster died before waking us
             except dist.DistError as e:
                 self._lost(e)
 
@@ -443,6 +438,8 @@ class NodeAgent:
         watcher moves on without suspecting it. The agent still watches its successor."""
         self._finished = True
         self._seq += 1
+        if self.fenced or self.store_lost:
+            return  # the call would only wait out the store's retry budget (10 s on etcd)
         try:
             self.m.node_beat(self.node, json.dumps({"seq": self._seq, "procs": {}, "done": True}))
         except dist.DistError as e:
@@ -551,13 +548,20 @@ class NodeAgent:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._events_thread is not None and self._events_thread.is_alive():
-            if not self.m.watches:
+        # On a TCPStore the events thread blocks in a wait that only the store can end: it is
+        # woken (`wake_event_waiters`). On etcd it sees `stop` within a second, unless it is
+        # inside a store call retrying an unreachable store (10 s): a launcher whose store is
+        # gone does not wait for that (the thread is a daemon, in Python code).
+        # A wake that lands before the thread's wait begins is lost: it is repeated.
+        th = self._events_thread
+        end = time.monotonic() + 2.0
+        while th is not None and th.is_alive() and time.monotonic() < end:
+            if not self.m.watches and not self.store_lost:
                 try:
-                    self.m.wake_node(self.node, "stop")
+                    self.m.wake_event_waiters(self._next_event)
                 except dist.DistError:
-                    pass  # the store is gone: the thread has ended
-            self._events_thread.join()
+                    pass  # the store is gone: so is the thread's wait
+            th.join(timeout=0.1)
         for th in (self._lease_thread, self._fence_thread):
             if th is not None and th.is_alive():
                 th.join()
@@ -665,8 +669,9 @@ class NodeAgent:
             self._stop.wait(max(0.0, period - (time.monotonic() - t0)))
 
     def _events_loop(self) -> None:
-        # TCPStore: blocks on the node's queue (no timeout that would log every second); the
-        # loop's missed-event check and `stop` push to it. etcd: watches the next event's key.
+        # Waits for the next event's key. TCPStore: a wait the store answers when the key is
+        # written (no timeout that would log every second; every agent wakes from the poster's
+        # one write). etcd: a watch, bounded so that `stop` is seen.
         m = self.m.clone(timeout=datetime.timedelta(days=1))
         store: Any = m.store
         while not self._stop.is_set():
@@ -675,17 +680,30 @@ class NodeAgent:
                     if not store.wait_for(m.key("events", self._next_event), 1.0, self._stop):
                         continue
                 else:
-                    m.wait_node_wake(self.node)
+                    m.wait_event(self._next_event)
                 if self._stop.is_set():
                     return
                 while (ev := m.event(self._next_event)) is not None:
                     self._next_event += 1
                     self._forward(m, ev)
+                    if ev.get("kind") == "finished":
+                        return  # every member finished: no event after it concerns this node
             except dist.DistError as e:
+                if self._stop.is_set():
+                    return
+                if not m.watches and self._answers(m):
+                    continue  # a day without an event: the wait's own bound
                 self._lost(e)
                 if not m.watches:
                     return
                 self._stop.wait(0.5)  # etcd: every endpoint failed this time; try again
+
+    def _answers(self, m: Membership) -> bool:
+        try:
+            m.store.check([m.key("events", self._next_event)])
+            return True
+        except dist.DistError:
+            return False
 
     @property
     def events_read(self) -> int:

@@ -210,7 +210,7 @@ class Controller:
         self._ckpt: Any = None  # AsyncCheckpointer of this process's current rank
         self._ckpt_rank = -1
         store = connect(env[ENV_STORE], self._timeout)
-        self._m = Membership(store, env[ENV_NAMESPACE], int(env.get("GROUP_WORLD_SIZE", "1")))
+        self._m = Membership(store, env[ENV_NAMESPACE])
         initial = Decision(0, list(range(world)), Mesh.for_world(world, tp, pp).as_dict(), "init", start_step)
         if self.is_spare:
             if self.rank < world:

@@ -79,7 +79,7 @@ class EtcdStore(dist.Store):
     """c10d Store semantics on an etcd cluster. One instance per thread that uses it (as a
     c10d client); `clone()` makes another on the same endpoints."""
 
-    watches_keys = True  # Membership: events are waited for by key, not through wake queues
+    watches_keys = True  # Membership.watches: waits are bounded watches; records may hold leases
 
     def __init__(self, endpoints: str | list[tuple[str, int]],
                  timeout: datetime.timedelta = datetime.timedelta(seconds=300)) -> None:

@@ -53,8 +53,7 @@ ranked MIN to MAX-1 is *spare capacity*, started at any time, before or after th
 its launcher runs no workers, only spares (``--spares``, default ``--nproc-per-node``; LOCAL_RANK
 0, 1, ...), which the membership places when ranks are lost on any node. Its agent announces
 the node (a "node" event) and every agent adds it to the ring. Every process gets
-``GROUP_WORLD_SIZE`` = MAX (every node the job may have: the membership wakes that many node
-agents) and ``GROUP_RANK`` = its node's rank; ``WORLD_SIZE // LOCAL_WORLD_SIZE`` is the number of
+``GROUP_WORLD_SIZE`` = MAX (every node the job may have) and ``GROUP_RANK`` = its node's rank; ``WORLD_SIZE // LOCAL_WORLD_SIZE`` is the number of
 nodes with workers. ``N`` and ``N:N`` are the same static job.
 """
 
@@ -202,7 +201,7 @@ class Launcher:
         return connect(self.store_spec, datetime.timedelta(seconds=60))
 
     def membership(self) -> Membership:
-        return Membership(self.store, self.namespace, self.max_nodes, self.token)  # wakes every node the job may have
+        return Membership(self.store, self.namespace, token=self.token)
 
     def _env(self, rank: int, local_rank: int, spare: bool = False) -> dict[str, str]:
         env = dict(os.environ)

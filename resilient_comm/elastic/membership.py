@@ -12,9 +12,7 @@ launcher generation)::
     {ns}/e/{E}/world/           store prefix of epoch E's world group when it is built afresh
     {ns}/gone/{rank}            the first evidence that rank is gone (exit or suspicion), by CAS
     {ns}/events/{i}             the i-th event (ranks gone, a decision, the end, a node joining the
-                                ring), slot claimed by CAS
-    {ns}/wake/node/{n}          a queue: one item per event, so node n's agent can block on it (n up
-                                to the most nodes the job may have, ``--nnodes MIN:MAX``'s MAX)
+                                ring), slot claimed by CAS; every agent waits for the next slot
     {ns}/node/{n}               node n's liveness record (its agent's heartbeat: agent.py)
     {ns}/done/{rank}            rank finished training at this committed step
     {ns}/spare/n, {ns}/spare/{i}  hot spares waiting warm: a counter, and the i-th one's id
@@ -241,7 +239,7 @@ class Membership:
     """Typed access to the membership keys. One instance per thread that uses it (a c10d
     store client serialises its calls, and a blocking wait would hold up the others)."""
 
-    def __init__(self, store: dist.Store, namespace: str, nodes: int = 1, token: str | None = None) -> None:
+    def __init__(self, store: dist.Store, namespace: str, *, token: str | None = None) -> None:
         """`token`: the job token (default: ``RESILIENT_COMM_TOKEN``). With one, the records
         that decide membership -- decisions, join records, gone records, events, spare ids,
         finished steps -- are written sealed with a MAC keyed by it and over their key, and a
@@ -250,7 +248,6 @@ class Membership:
         checked (a reader such as a test or a benchmark can still read sealed records)."""
         self.store = store
         self.ns = namespace.rstrip("/")
-        self.nodes = nodes  # agents to wake on an event: every node the job may have
         self._token = os.environ.get(ENV_TOKEN, "") if token is None else token
         self._mac_key = hashlib.sha256(b"resilient_comm membership\0" + self._token.encode()).digest()
 
@@ -259,7 +256,7 @@ class Membership:
         store = self.store.clone()  # type: ignore[attr-defined]  # every c10d store has it; the stubs lag
         if timeout is not None:
             store.set_timeout(timeout)
-        return Membership(store, self.ns, self.nodes, self._token)
+        return Membership(store, self.ns, token=self._token)
 
     def _mac(self, key: str, text: str) -> str:
         return hmac.new(self._mac_key, f"{key}\0{text}".encode(), hashlib.sha256).hexdigest()[:32]
@@ -407,21 +404,20 @@ class Membership:
         return out
 
     def post_event(self, payload: dict[str, Any]) -> int:
-        """Append an event and wake every node's agent; returns its index. Slots are claimed
-        by compare-and-set."""
+        """Append an event; returns its index. Slots are claimed by compare-and-set. Writing
+        the slot is what wakes every agent (`wait_event`): the poster's cost does not grow
+        with the number of nodes."""
         raw = json.dumps(payload, sort_keys=True)
         i = 0
         while self.store.compare_set(k := self.key("events", i), "", text := self._seal(k, raw)).decode(
                 errors="replace") != text:
             i += 1
-        if not self.watches:
-            for n in range(self.nodes):
-                self.wake_node(n)
         return i
 
     @property
     def watches(self) -> bool:
-        """Whether waiters watch event keys (etcd) instead of blocking on wake queues."""
+        """Whether the store is etcd (its waits are watches with a bound, its records may hold
+        leases), not a c10d TCPStore (whose waits block until the key lands)."""
         return bool(getattr(self.store, "watches_keys", False))
 
     def event(self, i: int) -> dict[str, Any] | None:
@@ -439,12 +435,20 @@ class Membership:
             _warn_malformed(k, "event", e)
             return {"kind": "malformed", "detail": str(e)}
 
-    def wake_node(self, node: int, why: str = "event") -> None:
-        self.store.queue_push(self.key("wake", "node", node), why)
+    def wait_event(self, i: int) -> None:
+        """Block until the i-th event exists (the store's timeout bounds the wait). A TCPStore
+        answers all of a key's waiters when it is written, so every node's agent, each waiting
+        on the next slot, wakes from the poster's one write."""
+        self.store.wait([self.key("events", i)])
 
-    def wait_node_wake(self, node: int) -> str:
-        """Block until node's wake queue has an item (the store's timeout bounds the wait)."""
-        return self.store.queue_pop(self.key("wake", "node", node)).decode()
+    def wake_event_waiters(self, i: int) -> None:
+        """End every `wait_event(i)` now without writing the event: c10d's compare_set wakes a
+        key's waiters even when it sets nothing. For an agent that stops: its events thread
+        must not be left blocked in the store's C++ wait when the interpreter exits (a
+        daemon thread unwound there terminates the process). Each waiter finds no event and
+        waits again, so this costs one read per node: for an agent's stop, not the job's end
+        (the events thread ends by itself on the "finished" event)."""
+        self.store.compare_set(self.key("events", i), _NO_RECORD, _NO_RECORD)
 
     # -- node records, spares and the end -------------------------------------------------
 
