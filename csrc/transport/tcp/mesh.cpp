@@ -262,17 +262,24 @@ void Links::store(int peer, Socket s) {
   }
 }
 
-Status Links::dial(int j, const Deadline& dl, bool retryRefused) {
-  const std::string& addr = spec_.addrs[j];
-  const std::string who = "rank " + std::to_string(j);
+Result<Socket> Links::connect(int peer, const Deadline& dl, bool retryRefused) {
+  const std::string& addr = spec_.addrs[peer];
   auto colon = addr.rfind(':');
   if (colon == std::string::npos) {
-    return Status(StatusCode::kInternal, "malformed address '" + addr + "' for " + who);
+    return Status(StatusCode::kInternal, "malformed address '" + addr + "' for rank " + std::to_string(peer));
   }
   Result<Socket> s = connectTo(addr.substr(0, colon), std::stoi(addr.substr(colon + 1)), dl, abort_, retryRefused);
   if (!s.isOk()) {
-    return s.status().withContext("connecting to " + who + " at " + addr);
+    return s.status().withContext("connecting to rank " + std::to_string(peer) + " at " + addr);
   }
+  return s;
+}
+
+Status Links::dial(int j, const Deadline& dl, bool retryRefused) {
+  const std::string& addr = spec_.addrs[j];
+  const std::string who = "rank " + std::to_string(j);
+  Result<Socket> s = connect(j, dl, retryRefused);
+  RC_RETURN_IF_ERROR(s.status());
   const JobKey key = JobKey::fromEnv();
   Hello hello{kWireMagic, spec_.rank, spec_.size, 0, spec_.hash, randomNonce(), 0};
   hello.mac = helloMac(key, hello);
@@ -337,18 +344,11 @@ Status Links::take(int peer) {
 }
 
 Status Links::probe(int peer, const Deadline& dl) {
-  const std::string& addr = spec_.addrs[peer];
-  auto colon = addr.rfind(':');
-  if (colon == std::string::npos) {
-    return Status::ok();
-  }
   // Short: a peer behind a partition neither refuses nor answers, and is not judged here.
-  Result<Socket> s = connectTo(addr.substr(0, colon), std::stoi(addr.substr(colon + 1)),
-                               dl.earliest(Deadline::after(std::chrono::milliseconds(50))), abort_,
-                               /*retryRefused=*/false);
+  Result<Socket> s = connect(peer, dl.earliest(Deadline::after(std::chrono::milliseconds(50))), /*retryRefused=*/false);
   if (s.status().code() == StatusCode::kPeerFailure) {
     return Status(StatusCode::kPeerFailure, "rank " + std::to_string(peer) + " never connected, and its listener at " +
-                                                addr + " refuses connections: it died or exited");
+                                                spec_.addrs[peer] + " refuses connections: it died or exited");
   }
   if (s.isOk()) {
     Hello hello{kWireMagic, -1, 0, 0, 0, 0, 0};
@@ -389,15 +389,7 @@ Status Links::build(const Deadline& dl, int* reused) {
   // live peer's listener drops the probe (no Hello).
   for (int j : gone) {
     if (j > rank && eager(j)) {
-      const std::string& addr = spec_.addrs[j];
-      auto colon = addr.rfind(':');
-      if (colon != std::string::npos) {
-        Result<Socket> probe = connectTo(addr.substr(0, colon), std::stoi(addr.substr(colon + 1)), dl, abort_,
-                                         /*retryRefused=*/!spec_.derived);
-        if (!probe.isOk()) {
-          return probe.status().withContext("connecting to rank " + std::to_string(j) + " at " + addr);
-        }
-      }
+      RC_RETURN_IF_ERROR(connect(j, dl, /*retryRefused=*/!spec_.derived).status());
     }
   }
   for (int j = 0; j < rank; ++j) {

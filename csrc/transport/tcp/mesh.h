@@ -153,6 +153,8 @@ class Links {
 
  private:
   bool eager(int peer) const;
+  // A TCP connection to `peer`'s listener (no Hello yet).
+  Result<Socket> connect(int peer, const Deadline& dl, bool retryRefused);
   Status dial(int peer, const Deadline& dl, bool retryRefused);
   // The higher peer's connection, if it arrived; stored in `peers`.
   Status take(int peer);
