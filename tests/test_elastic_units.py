@@ -146,10 +146,18 @@ def test_a_malformed_store_value_is_ignored_or_a_clear_error_never_a_crash(
     assert "ignoring the malformed gone record at 'rc/bad/gone/0'" in caplog.text
     assert "Gone.rank: '2' is not int" in caplog.text and "Gone: not a JSON object" in caplog.text
     m.join(1, JoinRecord(0, 0, True, 5, None))
-    store.set(m.key("e", 1, "join", 1), json.dumps({"rank": 1, "applied": 0, "ready": "yes", "committed": 5,
-                                                     "pending": None}))
-    store.set(m.key("e", 1, "join", 2), "\xff\xfe")
-    assert m.joined(1, [0, 1, 2]) == {0: JoinRecord(0, 0, True, 5, None)}
+    joins = m.key("e", 1, "joins", 0)  # ranks 0-7 append their entries here
+    store.append(joins, "\x1e" + json.dumps({"rank": 1, "applied": 0, "ready": "yes", "committed": 5,
+                                             "pending": None}) + "\x1f")
+    store.append(joins, "\xff\xfe garbage, not an entry")
+    store.append(joins, "\x1e" + JoinRecord(9, 0, True, 5, None).to_entry() + "\x1f")  # rank 9 is of group 1
+    store.append(joins, "\x1e{\"rank\": 3")  # a partial entry, then a whole one: only it counts
+    m.join(1, JoinRecord(2, 0, True, 5, None))
+    with caplog.at_level("WARNING", logger="resilient_comm.membership"):
+        assert m.joined(1, [0, 1, 2, 3, 9]) == {0: JoinRecord(0, 0, True, 5, None), 2: JoinRecord(2, 0, True, 5, None)}
+    assert "ignoring the malformed join entry at 'rc/bad/e/1/joins/0'" in caplog.text
+    m.join(1, JoinRecord(1, 0, True, 5, None))
+    assert m.joined(1, [1]) == {1: JoinRecord(1, 0, True, 5, None)}, "a rank's own entry counts after garbage"
     store.set(m.key("events", 0), "]]")  # readers go past a malformed event
     m.post_event({"kind": "finished"})
     assert m.event(0) is not None and m.event(0)["kind"] == "malformed" and m.event(1) == {"kind": "finished"}
@@ -304,17 +312,16 @@ class _KeysPerCall:
         return call
 
 
-def test_the_decider_reads_16k_join_records_in_chunks(store: dist.TCPStore) -> None:
+def test_the_decider_reads_16k_join_records_in_2048_keys_512_a_call(store: dist.TCPStore) -> None:
     """c10d's TCPStore serves one call of N keys in time superlinear in N (16,384 keys: a wait
     127 ms idle, more than the decider's 100 ms slice, so under load it kept timing out with
-    every record there; multi_get 347 ms): the decider's reads go 512 keys a call. All records
-    are returned, and a live rank's missing record still makes it wait."""
+    every record there; multi_get 347 ms): eight ranks' join entries share a key and the
+    decider's reads go 512 keys a call. All records are returned, and a live rank's missing
+    record still makes it wait, also when the rest of its group is there."""
     n = 16384
     m = Membership(cast(Any, _KeysPerCall(store)), "rc/u")
-    keys = [m.key("e", 1, "join", r) for r in range(n)]
-    records = [JoinRecord(r, 0, True, 10, None, 1.0).to_json() for r in range(n)]
-    for i in range(0, n, 1024):
-        store.multi_set(keys[i:i + 1024], records[i:i + 1024])
+    for at in range(0, n, 1024):
+        m.join_many(1, [JoinRecord(r, 0, True, 10, None, 1.0) for r in range(at, at + 1024)])
     m.report_gone(Gone(n, "exit", "killed", 1.0, "launcher"))
     base, live = list(range(n + 1)), list(range(n))  # rank 16384 is gone
     got = m.complete(1, base, live, wait_s=0.1)
@@ -322,8 +329,13 @@ def test_the_decider_reads_16k_join_records_in_chunks(store: dist.TCPStore) -> N
     joined, gone = got
     assert len(joined) == n and joined[12345] == JoinRecord(12345, 0, True, 10, None, 1.0) and list(gone) == [n]
     assert max(m.store.sizes) <= 512, f"a call of {max(m.store.sizes)} keys"
+    assert sum(m.store.sizes) <= n // 4 + 16, f"{sum(m.store.sizes)} keys sent to read {n} records"
     assert m.complete(1, base, [*live, n], wait_s=0.1) is None, "a live rank's missing record must be waited for"
     assert m.complete(1, base, [*live, n]) is None
+    m.join(2, JoinRecord(0, 1, True, 10, None))  # rank 1 of the same group not yet
+    t0 = time.monotonic()
+    assert m.complete(2, [0, 1], [0, 1], wait_s=0.05) is None
+    assert 0.04 < time.monotonic() - t0 < 1.0, "the wait for rank 1's entry is bounded by wait_s"
 
 
 def _peer(**kw: float | str) -> PeerView:

@@ -683,7 +683,9 @@ class NodeAgent:
                     m.wait_event(self._next_event)
                 if self._stop.is_set():
                     return
-                while (ev := m.event(self._next_event)) is not None:
+                # One event per wake-up: the wait for the next one answers at once if it is
+                # there (a check first would cost every node one more round trip per event).
+                if (ev := m.event(self._next_event)) is not None:
                     self._next_event += 1
                     self._forward(m, ev)
                     if ev.get("kind") == "finished":

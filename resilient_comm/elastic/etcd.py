@@ -247,6 +247,23 @@ class EtcdStore(dist.Store):
             if r.get("succeeded"):
                 return new
 
+    def append(self, key: str, value: str | bytes) -> None:
+        """c10d's append: `value` added to the end of the key's value (created if missing), by
+        compare-and-set on the key's revision, so that concurrent appenders lose nothing."""
+        k, more = _b64(key), _bytes(value)
+        while True:
+            kvs = self._range(key).get("kvs") or []
+            if kvs:
+                current = _unb64(kvs[0].get("value", ""))
+                compare = [{"key": k, "result": "EQUAL", "target": "MOD", "mod_revision": kvs[0]["mod_revision"]}]
+            else:
+                current = b""
+                compare = [{"key": k, "result": "EQUAL", "target": "CREATE", "create_revision": "0"}]
+            r = self._txn(compare, [{"request_put": {"key": k, "value": _b64(current + more)}}], [],
+                          f"append to {key!r}")
+            if r.get("succeeded"):
+                return
+
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         limit = (timeout or self._timeout).total_seconds()
         deadline = time.monotonic() + limit
