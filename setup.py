@@ -56,7 +56,21 @@ def _tool(name: str) -> str | None:
     return shutil.which(name, path=os.pathsep.join([here, os.environ.get("PATH", "")]))
 
 
+def _requirements() -> list[str]:
+    """numpy, and the torch this build is for: `torch==X.Y.*` of the torch installed now (the
+    extension is built against its C++ ABI and fails to load in another minor version; a
+    patch release keeps it). Without a torch (an sdist being made) torch is left unpinned:
+    the wheel built from it pins it."""
+    try:
+        import torch
+    except ImportError:
+        return ["numpy", "torch"]
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return ["numpy", f"torch=={major}.{minor}.*"]
+
+
 setup(
+    install_requires=_requirements(),
     ext_modules=[CMakeExtension("resilient_comm._C")],
     cmdclass={"build_ext": CMakeBuild},
 )

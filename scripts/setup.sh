@@ -17,7 +17,7 @@ if ! "$VPY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2
   echo "[setup] installing torch==2.13.0"
   "$VPY" -m pip install --quiet --disable-pip-version-check torch==2.13.0
 fi
-"$VPY" -m pip install --quiet --disable-pip-version-check "setuptools>=64" wheel cmake ninja "pytest>=7" "pytest-timeout>=2" numpy matplotlib nvidia-nccl-cu12 "etcd3gw>=2.4"
+"$VPY" -m pip install --quiet --disable-pip-version-check "setuptools>=64" wheel cmake ninja "pytest>=7" "pytest-timeout>=2" numpy matplotlib nvidia-nccl-cu12 "etcd3gw>=2.4" "prometheus_client>=0.17"
 
 # etcd (the multi-node membership) for the tests that run nodes in network namespaces; as
 # root on Debian/Ubuntu it comes from the etcd-server package. Without it those tests skip.

@@ -193,6 +193,7 @@ class NodeAgent:
         self._last_ok = time.monotonic()  # the last keepalive the store answered (its send time)
         self._observers: list[PeerView] = []
         self.procs: dict[int, Proc] = {}
+        self.metrics: Any = None  # a metrics.NodeMetrics (resilient-run --metrics-port), or None
         self.gone_nodes: set[int] = set()  # lost, or finished (their agents said so)
         # The ring's nodes: the initial ones, and capacity nodes that announced themselves.
         self.present: set[int] = {node, *(range(nnodes) if present is None else present)}
@@ -242,6 +243,8 @@ class NodeAgent:
                 return
             p.done = True
             conn = p.conn
+            if self.metrics is not None:
+                self.metrics.forget(rank)  # its heartbeat lag goes with it
         if conn is not None:
             self._close(next((c for c in self._conns if c.sock is conn), None))
 
@@ -330,6 +333,13 @@ class NodeAgent:
             with self._lock:
                 c.proc.done = True
             return ""
+        if word == "rec":  # a finished recovery, for the metrics (metrics.recovery_line)
+            if self.metrics is not None:
+                try:
+                    self.metrics.recovery(fields)
+                except ValueError as e:
+                    log.warning("node %d: ignoring a bad recovery report from rank %d: %s", self.node, c.proc.rank, e)
+            return ""
         if word != "hb" or len(fields) != 6:
             return f"unexpected line {line[:40]!r}"
         try:
@@ -390,6 +400,8 @@ class NodeAgent:
         observers = [p.view for p in procs if p.view.phase in WAITING]
         with self._lock:
             self._observers = observers
+        if self.metrics is not None:
+            self._report_metrics(t, procs)
         if self.lease_s and not self.fenced:
             self._check_lease(t)
         if self.fenced:
@@ -401,6 +413,13 @@ class NodeAgent:
             why = silence_why(p.view, t, p.cfg) or self._straggler(p.view, p.cfg, observers, t)
             if why:
                 self._suspect([p.rank], why, time.time() - (t - p.view.changed_at))
+
+    def _report_metrics(self, t: float, judged: list[Proc]) -> None:
+        with self._lock:
+            waiting = sum(1 for p in self.procs.values()
+                          if not p.done and p.cfg is not None and p.view.phase == "spare" and not p.placed)
+            lags = {p.rank: t - p.view.changed_at for p in judged if p.view.seq >= 0 and not p.done}
+            self.metrics.heartbeats(lags, waiting)  # under the lock: `exited` forgets a rank's lag
 
     @staticmethod
     def _straggler(view: PeerView, cfg: DetectorConfig, observers: list[PeerView], t: float) -> str | None:

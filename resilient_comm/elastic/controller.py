@@ -95,6 +95,7 @@ from resilient_comm.elastic.membership import (
     join_poll_cap_s,
     now,
 )
+from resilient_comm.elastic.metrics import recovery_line
 from resilient_comm.elastic.policy import DIMS, Mesh
 from resilient_comm.elastic.state import Place, StateFactory, Stateful, TrainState, warm_up
 from resilient_comm.elastic.statesync import recv_state, send_state
@@ -426,6 +427,7 @@ class Controller:
                 for source, at in [self._heard[r] for r in self._timeline.lost if r in self._heard]:
                     self._timeline.via[source] = min(at, self._timeline.via.get(source, at))
             self._timeline.emit()
+            self._detector.report(recovery_line(self._timeline))
             self.recoveries.append(self._timeline)
             self._timeline = None
         self._emit("step.committed", step=step)
@@ -502,6 +504,7 @@ class Controller:
         tl.mark("detected", detected)
         if op_error:
             tl.via["op_error"] = now()
+            tl.op_error = type(cause).__name__
         self._detector.progress(self.next_step, "recovery")
         self._abort(groups, f"recovering from {tl.cause}")
         tl.mark("aborted")

@@ -307,6 +307,16 @@ class Detector:
         log.error("rank %d: %s", self.rank, reason)
         self._on_store_lost(reason)
 
+    def report(self, line: str) -> None:
+        """Tell the agent something for its metrics (a `metrics.recovery_line`); an agent that
+        is gone is the heartbeat thread's news, not this caller's."""
+        if self._sock is None or self._stop.is_set():
+            return
+        try:
+            self._send(line)
+        except OSError:
+            pass
+
     def _send(self, line: str) -> None:
         assert self._sock is not None
         with self._send_lock:

@@ -124,9 +124,11 @@ class Launcher:
         max_spare_starts: int | None = None,
         rdzv_backend: str = "c10d",
         max_nodes: int | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         """`nnodes` and `max_nodes` are ``--nnodes MIN:MAX`` (`max_nodes` None: MAX = MIN);
-        `spares` None: none on an initial node, `nproc` on a capacity node."""
+        `spares` None: none on an initial node, `nproc` on a capacity node; `metrics_port`:
+        serve this node's Prometheus metrics there (0: any free port; metrics.py)."""
         max_nodes = nnodes if max_nodes is None else max_nodes
         if nproc < 1:
             raise ValueError(f"--nproc-per-node {nproc}: must be at least 1")
@@ -186,6 +188,11 @@ class Launcher:
         self._reaped = False
         self._shutting_down = False
         self._signals = 0
+        self.metrics = None
+        if metrics_port is not None:
+            from resilient_comm.elastic.metrics import NodeMetrics
+
+            self.metrics = NodeMetrics(node_rank, metrics_port, world=self.world_size)
 
     @property
     def namespace(self) -> str:
@@ -235,6 +242,7 @@ class Launcher:
                                present=range(self.nnodes),
                                register=lambda f, cb: self._sel.register(f, selectors.EVENT_READ, cb),
                                unregister=self._sel.unregister)
+        self.agent.metrics = self.metrics
         self.agent.start()
         if self.capacity:
             self.agent.announce()  # on the ring before any of its spares can be placed
@@ -505,6 +513,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-spare-starts", "--max_spare_starts", type=int, default=None, metavar="N",
                    help="spares started to refill the pool after failures, in all (default unlimited)")
     p.add_argument("--log-dir", "--log_dir", default=None, help="write each worker's output to DIR/GEN/RANK.log")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="N",
+                   help="serve this node's Prometheus metrics at http://0.0.0.0:N/metrics (0: any free port, "
+                        "logged; needs prometheus_client: resilient_comm[metrics])"),
     p.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
     p.add_argument("--no-python", "--no_python", action="store_true", help="run the script as a program")
     p.add_argument("script", help="the training script (or module, or program)")
@@ -540,12 +551,17 @@ def main(argv: list[str] | None = None) -> int:
         launcher = Launcher(cmd, a.nproc_per_node, nnodes=least, max_nodes=most, node_rank=a.node_rank,
                             endpoint=endpoint, max_restarts=a.max_restarts, run_id=a.rdzv_id, log_dir=a.log_dir,
                             spares=a.spares, max_spare_starts=a.max_spare_starts,
-                            rdzv_backend="etcd" if a.rdzv_backend == "etcd" else "c10d")
+                            rdzv_backend="etcd" if a.rdzv_backend == "etcd" else "c10d", metrics_port=a.metrics_port)
     except ValueError as e:  # a bad layout (nodes, ranks, spares) or endpoint: a usage error
         p.error(str(e))
+    except (RuntimeError, OSError) as e:  # --metrics-port: no prometheus_client, or the port is taken
+        print(f"resilient-run: {e}", file=sys.stderr)
+        return 2
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, _f: launcher.forward(s))
     status = launcher.run()
+    if launcher.metrics is not None:
+        launcher.metrics.close()
     log.info("all workers ended; exit status %d", status)
     return status
 

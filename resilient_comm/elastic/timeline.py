@@ -52,6 +52,7 @@ class Timeline:
     mode: str = ""
     lost: list[int] = field(default_factory=list)  # ranks that left: dead or suspected
     via: dict[str, float] = field(default_factory=dict)  # evidence source -> wall time it arrived
+    op_error: str = ""  # the kind of the collective error that started it ("" if news did)
 
     def mark(self, phase: str, at: float | None = None) -> None:
         if phase not in PHASES:
@@ -76,7 +77,8 @@ class Timeline:
         via_ms = {k: round(1e3 * (v - failure), 3) for k, v in self.via.items()} if failure is not None else {}
         return {"epoch": self.epoch, "rank": self.rank, "cause": self.cause, "attempts": self.attempts,
                 "resume_step": self.resume_step, "members": self.members, "mode": self.mode,
-                "lost": self.lost, "t": self.t, "ms": self.durations_ms(), "via": self.via, "via_ms": via_ms}
+                "lost": self.lost, "t": self.t, "ms": self.durations_ms(), "via": self.via, "via_ms": via_ms,
+                "op_error": self.op_error}
 
     def log_line(self) -> str:
         return "recovery " + json.dumps(self.as_dict(), sort_keys=True)
