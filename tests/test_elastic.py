@@ -246,6 +246,9 @@ def test_mesh_tp2_dp2_one_death_evicts_its_whole_replica(tmp_path: Any, seed: in
     evicted = next(e for e in job.events() if e["event"] == "evicted")
     assert evicted["rank"] == partner and "its replica lost" in evicted["why"], evicted
     final = dumps(job, [2, 3])
+    # The survivors' tensor-parallel steps ran on ctl.device_mesh["tp"], rebuilt over the new groups.
+    assert final[2]["device_mesh"] == final[3]["device_mesh"] == {"dp": 1, "pp": 1, "tp": 2, "tp_is_ctl_group": 1}, \
+        final[2]
     assert same_state(final[2]["state"]["model"]["b2"], final[3]["state"]["model"]["b2"])  # replicated in TP
     assert not same_state(final[2]["state"]["model"]["w1"], final[3]["state"]["model"]["w1"])  # sharded
     assert commits_by_rank(job)[2] == list(range(STEPS))

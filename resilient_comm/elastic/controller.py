@@ -83,6 +83,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import resilient_comm
 from resilient_comm.api import _backend
+from resilient_comm.elastic import devicemesh
 from resilient_comm.elastic.agent import ENV_AGENT
 from resilient_comm.elastic.decision import decide
 from resilient_comm.elastic.detector import Detector, DetectorConfig
@@ -234,6 +235,7 @@ class Controller:
         self._timeline: Timeline | None = None
         self._tries: dict[int, int] = {}
         self._groups: Groups | None = None
+        self._device_mesh: tuple[Groups | None, Any] | None = None  # (the groups it was built over, it)
         self._lock = threading.Lock()
         self._registered: list[dist.ProcessGroup] = []
         self._watching: set[int] = set(initial.members)
@@ -323,6 +325,16 @@ class Controller:
     @property
     def mesh(self) -> Mesh:
         return self._decision.mesh_obj()
+
+    @property
+    def device_mesh(self) -> Any:
+        """The current groups as a torch DeviceMesh, dims ("dp", "pp", "tp") (devicemesh.py):
+        `fully_shard(m, mesh=ctl.device_mesh["dp"])`. A new one after every recovery."""
+        if self._groups is None:
+            raise RuntimeError("no groups yet: the device mesh exists once this process is a member")
+        if self._device_mesh is None or self._device_mesh[0] is not self._groups:
+            self._device_mesh = (self._groups, devicemesh.build(self._groups, self.mesh, self._vote_device.type))
+        return self._device_mesh[1]
 
     @property
     def members(self) -> list[int]:

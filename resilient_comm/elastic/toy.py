@@ -243,7 +243,9 @@ def run_elastic(a: argparse.Namespace) -> int:
                      warmup=warm_up if a.warmup_burn_ms else None)
 
     def train_step(s: Any) -> None:
-        tp_group = ctl.groups.tp if a.tp > 1 else None
+        # The tensor-parallel group as torchtitan-style code takes it: from the controller's
+        # DeviceMesh, which every recovery replaces (the old groups are gone by then).
+        tp_group = ctl.device_mesh["tp"].get_group() if a.tp > 1 else None
         trainer.forward_backward(s.step, data_ids[mesh0.replica_of(ctl.slot)], tp_group)
         if a.step_ms:
             time.sleep(a.step_ms / 1e3)  # stands for a longer computation
@@ -267,8 +269,15 @@ def run_elastic(a: argparse.Namespace) -> int:
         events.write("recovery", timeline=tl.as_dict())
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)
+        try:
+            dm = ctl.device_mesh
+            mesh_dims = dict(zip(dm.mesh_dim_names or (), dm.shape))
+            mesh_dims["tp_is_ctl_group"] = int(dm["tp"].get_group() is ctl.groups.tp)
+        except RuntimeError:  # never a member (a spare that was not placed)
+            mesh_dims = {}
         torch.save({"state": trainer.state_dict(), "members": ctl.members, "committed": ctl.committed,
-                    "recoveries": [tl.as_dict() for tl in ctl.recoveries]}, os.path.join(a.dump, f"final-{rank}.pt"))
+                    "recoveries": [tl.as_dict() for tl in ctl.recoveries], "device_mesh": mesh_dims},
+                   os.path.join(a.dump, f"final-{rank}.pt"))
     if trace:
         torch.save(trace, a.trace)
     if a.backend == "resilient_nccl" and os.environ.get("RESILIENT_COMM_NCCL_EMULATE") == "1":

@@ -1,0 +1,36 @@
+"""The controller's current groups as a `torch.distributed.device_mesh.DeviceMesh`.
+
+World rank r of a decision sits at mesh coordinates (dp, pp, tp) = `Mesh.coords(r)`, row-major
+(``r = dp * pp_size * tp_size + pp * tp_size + tp``), so the mesh is ``arange(size)`` in the
+shape ``(dp, pp, tp)`` and each dimension's group is the controller's group of that name. A
+recovery destroys the groups; the controller builds a new mesh over the new ones
+(`Controller.device_mesh`), so code that holds a mesh must take it again after a recovery
+(docs/elastic.md, "DeviceMesh").
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from resilient_comm.elastic.policy import Mesh
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from resilient_comm.elastic.controller import Groups
+
+DIM_NAMES = ("dp", "pp", "tp")
+
+
+def build(groups: Groups, mesh: Mesh, device_type: str) -> DeviceMesh:
+    """A 3-D DeviceMesh (dims `DIM_NAMES`, a dimension of size 1 included) over `groups`."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    layout = torch.arange(mesh.size, dtype=torch.int).reshape(mesh.dp, mesh.pp, mesh.tp)
+    return DeviceMesh.from_group([groups.dp, groups.pp, groups.tp], device_type, mesh=layout,
+                                 mesh_dim_names=DIM_NAMES)
+
+
+__all__ = ["DIM_NAMES", "build"]
