@@ -232,37 +232,29 @@ class EtcdStore(dist.Store):
         return _unb64(kvs[0].get("value", ""))
 
     def add(self, key: str, amount: int) -> int:
-        k = _b64(key)
-        while True:
-            r = self._range(key)
-            kvs = r.get("kvs") or []
-            if kvs:
-                current, rev = int(_unb64(kvs[0].get("value", "")) or b"0"), kvs[0]["mod_revision"]
-                compare = [{"key": k, "result": "EQUAL", "target": "MOD", "mod_revision": rev}]
-            else:
-                current = 0
-                compare = [{"key": k, "result": "EQUAL", "target": "CREATE", "create_revision": "0"}]
-            new = current + amount
-            r = self._txn(compare, [{"request_put": {"key": k, "value": _b64(str(new))}}], [], f"add {key!r}")
-            if r.get("succeeded"):
-                return new
+        return int(self._update(key, lambda v: str(int(v or b"0") + amount).encode(), f"add {key!r}"))
 
     def append(self, key: str, value: str | bytes) -> None:
-        """c10d's append: `value` added to the end of the key's value (created if missing), by
-        compare-and-set on the key's revision, so that concurrent appenders lose nothing."""
-        k, more = _b64(key), _bytes(value)
+        """c10d's append: `value` added to the end of the key's value (created if missing)."""
+        more = _bytes(value)
+        self._update(key, lambda v: (v or b"") + more, f"append to {key!r}")
+
+    def _update(self, key: str, change: Callable[[bytes | None], bytes], what: str) -> bytes:
+        """Write `change(current value or None)` by compare-and-set on the key's revision (or
+        its absence), again until no other writer came between: concurrent updates lose
+        nothing. Returns the value written."""
+        k = _b64(key)
         while True:
             kvs = self._range(key).get("kvs") or []
             if kvs:
-                current = _unb64(kvs[0].get("value", ""))
+                current: bytes | None = _unb64(kvs[0].get("value", ""))
                 compare = [{"key": k, "result": "EQUAL", "target": "MOD", "mod_revision": kvs[0]["mod_revision"]}]
             else:
-                current = b""
+                current = None
                 compare = [{"key": k, "result": "EQUAL", "target": "CREATE", "create_revision": "0"}]
-            r = self._txn(compare, [{"request_put": {"key": k, "value": _b64(current + more)}}], [],
-                          f"append to {key!r}")
-            if r.get("succeeded"):
-                return
+            new = change(current)
+            if self._txn(compare, [{"request_put": {"key": k, "value": _b64(new)}}], [], what).get("succeeded"):
+                return new
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         limit = (timeout or self._timeout).total_seconds()
