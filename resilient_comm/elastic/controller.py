@@ -85,7 +85,14 @@ import resilient_comm
 from resilient_comm.api import _backend
 from resilient_comm.elastic import devicemesh
 from resilient_comm.elastic.agent import ENV_AGENT
-from resilient_comm.elastic.decision import decide
+from resilient_comm.elastic.agreement import (
+    EXIT_EVICTED,
+    Evicted,
+    RecoveryError,
+    await_decision,
+    catch_up,
+    decide_epoch,
+)
 from resilient_comm.elastic.detector import Detector, DetectorConfig
 from resilient_comm.elastic.membership import (
     Decision,
@@ -93,7 +100,6 @@ from resilient_comm.elastic.membership import (
     JoinRecord,
     Membership,
     connect,
-    join_poll_cap_s,
     now,
 )
 from resilient_comm.elastic.metrics import recovery_line
@@ -108,18 +114,6 @@ ENV_STORE = "RESILIENT_COMM_STORE"  # the job's store: host:port (the launcher's
 ENV_NAMESPACE = "RESILIENT_COMM_NAMESPACE"  # this run's key prefix in it
 ENV_SPARE = "RESILIENT_COMM_SPARE"  # "1" in a hot spare (its RANK is a spare id >= WORLD_SIZE)
 log = logging.getLogger("resilient_comm.elastic")
-
-EXIT_EVICTED = 3  # exit status of a worker the membership evicted (the launcher ignores it)
-
-
-class Evicted(Exception):
-    """This process is no longer a member (suspected, or its replica left): it should exit."""
-
-
-class RecoveryError(RuntimeError):
-    """The job cannot go on in-process: no replica survived, the launcher's store is gone, or
-    recovery made no progress."""
-
 
 @dataclass(frozen=True)
 class Groups:
@@ -556,62 +550,19 @@ class Controller:
 
     def _agree(self, deadline: float) -> tuple[Decision, Decision]:
         """Join the current epoch and return (the previous epoch's decision, its decision)."""
-        me = self._m.gone([self.rank])
-        if me:
-            raise Evicted(f"rank {self.rank} was reported gone: {me[self.rank].detail}")
-        current = self._m.propose(self.applied_epoch)
-        base = self._decision
-        for e in range(self.applied_epoch + 1, current):
-            d = self._m.decision(e)
-            if d is None:
-                raise RecoveryError(f"epoch {current} was proposed but epoch {e} has no decision")
-            if self.rank not in d.members:
-                raise Evicted(f"rank {self.rank} was evicted in epoch {e} (lost {d.lost}, evicted {d.evicted})")
-            base = d
+        current, base = catch_up(self._m, self.rank, self.applied_epoch, self._decision)
         pending = self._pending[0] if self._pending else None
         self._m.join(current, JoinRecord(self.rank, self.applied_epoch, self._ready, self.committed, pending, now()))
         self._emit("recovery.joined", epoch=current)
         with self._lock:
             self._watching = set(base.members)
-        return base, self._await_decision(current, base, deadline)
 
-    def _await_decision(self, epoch: int, base: Decision, deadline: float) -> Decision:
-        """The decider (the lowest live member of `base`) polls the join records and publishes;
-        the others wait for the agent's news (the decision's event, or a death that may make
-        them the decider)."""
-        pace = Pacer(cap_s=join_poll_cap_s(len(base.members)))
-        # The decider's waits for the joins start short: right after a failure the news of the
-        # dead rank may still be on its way, and a wait that counts on that rank's join lasts
-        # its whole slice (a fixed 100 ms slice made about half the recoveries 100 ms slower).
-        wait_s = 0.005
-        while True:
-            news = self._detector.news()
-            self._check_fatal()
-            d = self._m.decision(epoch)
-            if d is not None:
-                return d
-            live = [r for r in base.members if r not in self._detector.gone()]
-            if time.monotonic() > deadline:
-                raise RecoveryError(f"no decision for epoch {epoch} before the deadline (waiting on {live})")
-            if live and live[0] == self.rank:
-                # Every live member's join at once (Membership.complete); the wait is short: a
-                # rank lost meanwhile changes who is live.
-                complete = self._m.complete(epoch, base.members, live, wait_s=min(wait_s, self._timeout.total_seconds()))
-                wait_s = min(0.1, 2 * wait_s)
-                if complete is not None:
-                    d = self._m.decide(self._decide(epoch, base, *complete))
-                    self._m.post_event({"kind": "decided", "epoch": d.epoch, "joiners": d.joiners})
-                    return d
-                if self._m.watches:
-                    pace.wait()
-            else:
-                self._detector.wait_news(news, min(1.0, max(0.0, deadline - time.monotonic())))
+        return base, await_decision(self._m, self._detector, self.rank, current, base, deadline,
+                                    self._timeout.total_seconds(),
+                                    lambda joined, gone: self._decide(current, base, joined, gone), self._check_fatal)
 
     def _decide(self, epoch: int, base: Decision, joined: dict[int, JoinRecord], gone: dict[int, Gone]) -> Decision:
-        candidates = [r for r in self._m.spares() if r not in set(base.used_spares)]
-        spares = [r for r in candidates if r not in self._m.gone(candidates)]
-        return decide(epoch, base, joined, gone, self._m.done(base.members), spares, self._latest_checkpoint,
-                      self.rank)
+        return decide_epoch(self._m, epoch, base, joined, gone, self._latest_checkpoint, self.rank)
 
     def _latest_checkpoint(self, world: int) -> int | None:
         if self._ckpt_dir is None:
