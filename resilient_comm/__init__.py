@@ -19,6 +19,8 @@ within milliseconds, ring neighbour or not, and the process stays alive to recov
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch  # noqa: F401  (loads libtorch before our extension)
 import torch.distributed as dist
@@ -59,16 +61,33 @@ _NPU = importlib.util.find_spec("torch_npu") is not None
 BACKENDS = ("resilient_tcp", "resilient_nccl") + (("resilient_hccl",) if _NPU else ())
 
 
+class _Creation:
+    """What an in-process restart (`resilient_comm.elastic.inprocess`) asks of every backend that
+    ``init_process_group``/``new_group`` create: a store key prefix per incarnation (the script
+    rendezvous afresh on the same store each time it is re-entered) and hooks that see each new
+    backend at once (its bootstrap runs in the background, so a hook can abort it while it waits
+    for a dead peer)."""
+
+    prefix = ""
+    hooks: ClassVar[list[Callable[[Any], None]]] = []
+
+
 def _creator(backend_name: str):
     def create(dist_opts, _backend_opts):
-        return _C.create_backend(
+        store = dist_opts.store
+        if _Creation.prefix:
+            store = dist.PrefixStore(_Creation.prefix, store)
+        backend = _C.create_backend(
             backend_name,
-            dist_opts.store,
+            store,
             dist_opts.group_rank,
             dist_opts.group_size,
             dist_opts.timeout.total_seconds(),
             str(dist_opts.group_id),
         )
+        for hook in list(_Creation.hooks):
+            hook(backend)
+        return backend
 
     create.__name__ = f"create_{backend_name}"
     return create

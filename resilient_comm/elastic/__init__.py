@@ -1,6 +1,8 @@
 """resilient_comm.elastic: detect, agree, evict, shrink and resume in-process.
 
 - `Controller` wraps the training loop (commit protocol, recovery, timelines).
+- `restartable` re-enters a script's function in the same process after a failure, for
+  scripts not written for the controller (inprocess.py; ``resilient-run --in-process``).
 - `Membership` keeps epochs, decisions and failure reports on the launcher's store.
 - `Detector` turns exit reports, heartbeats and dead-vs-slow bounds into evidence.
 - `Mesh` / `plan` / `plan_shrink`: the mesh-aware policy (hot spares fill lost places; without
@@ -26,6 +28,7 @@ from resilient_comm.elastic.controller import (
     TrainState,
 )
 from resilient_comm.elastic.detector import Detector, DetectorConfig
+from resilient_comm.elastic.inprocess import restartable
 from resilient_comm.elastic.launcher import Launcher
 from resilient_comm.elastic.membership import Decision, Gone, JoinRecord, Membership
 from resilient_comm.elastic.policy import Mesh, Plan, plan, plan_shrink
@@ -54,4 +57,5 @@ __all__ = [
     "plan",
     "plan_shrink",
     "prometheus",
+    "restartable",
 ]

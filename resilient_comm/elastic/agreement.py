@@ -89,4 +89,25 @@ def await_decision(m: Membership, detector: Detector, rank: int, epoch: int, bas
             detector.wait_news(news, min(1.0, max(0.0, deadline - time.monotonic())))
 
 
-__all__ = ["EXIT_EVICTED", "Evicted", "RecoveryError", "await_decision", "catch_up", "decide_epoch"]
+def wait_placed(m: Membership, detector: Detector, rank: int, check_fatal: Callable[[], None]) -> Decision | None:
+    """A hot spare: register, then wait warm until a decision places it (that decision), or
+    the job ends (None)."""
+    m.register_spare(rank)
+    seen = 0
+    while True:
+        news = detector.news()
+        check_fatal()
+        if m.finished():
+            return None
+        for e in range(seen + 1, m.epoch() + 1):
+            d = m.decision(e)
+            if d is None:
+                break
+            seen = e
+            if rank in d.joiners:
+                return d
+        # Woken by the agent's events (a decision, the end); a second without any: look again.
+        detector.wait_news(news, 1.0)
+
+
+__all__ = ["EXIT_EVICTED", "Evicted", "RecoveryError", "await_decision", "catch_up", "decide_epoch", "wait_placed"]

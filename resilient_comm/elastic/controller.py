@@ -92,6 +92,7 @@ from resilient_comm.elastic.agreement import (
     await_decision,
     catch_up,
     decide_epoch,
+    wait_placed,
 )
 from resilient_comm.elastic.detector import Detector, DetectorConfig
 from resilient_comm.elastic.membership import (
@@ -265,28 +266,14 @@ class Controller:
     def _spare_wait(self) -> None:
         """A hot spare: wait warm until a decision places this spare, then join that epoch
         as a member (build its groups, receive the state); or leave when the job ends."""
-        self._m.register_spare(self.rank)
         log.info("spare %d waiting warm", self.rank)
-        seen = 0
-        while True:
-            news = self._detector.news()
-            self._check_fatal()
-            if self._m.finished():
-                self._idle = True
-                self._detector.stop()
-                log.info("spare %d: the job ended without needing it", self.rank)
-                return
-            current = self._m.epoch()
-            for e in range(seen + 1, current + 1):
-                d = self._m.decision(e)
-                if d is None:
-                    break
-                seen = e
-                if self.rank in d.joiners:
-                    self._place(d)
-                    return
-            # Woken by the agent's events (a decision, the end); a second without any: look again.
-            self._detector.wait_news(news, 1.0)
+        d = wait_placed(self._m, self._detector, self.rank, self._check_fatal)
+        if d is None:
+            self._idle = True
+            self._detector.stop()
+            log.info("spare %d: the job ended without needing it", self.rank)
+            return
+        self._place(d)
 
     def _place(self, d: Decision) -> None:
         log.info("spare %d takes rank %d's place (epoch %d)", self.rank, d.slots[d.members.index(self.rank)]

@@ -12,7 +12,8 @@ Three sources of evidence reach the controller:
    ``heartbeat_s`` (~100 ms); the agent judges them (`resilient_comm.elastic.agent`: nodes
    watch each other through one record per node, never a key per rank). A heartbeat carries a
    sequence number, the rank's step and phase ("start" before its first step, "compute",
-   "sync", "recovery", "done", or "spare" while a hot spare waits), how long it has been in that phase, the p99 of its
+   "sync", "recovery", "done", "spare" while a hot spare waits, or "run" in a `restartable`
+   script, whose steps nobody sees), how long it has been in that phase, the p99 of its
    recent step times and the expected cost of its step's collectives.
 
 **Dead vs slow.** A process whose heartbeat advances is alive: it is never declared dead,
@@ -52,7 +53,9 @@ from resilient_comm.elastic.membership import Gone
 
 log = logging.getLogger("resilient_comm.elastic")
 
-PHASES = ("start", "compute", "sync", "recovery", "done", "spare")  # spare: waiting, not a member yet
+# spare: waiting, not a member yet; run: the body of a `restartable` script, whose steps the
+# detector does not see (judged by silence alone, never as a straggler)
+PHASES = ("start", "compute", "sync", "recovery", "done", "spare", "run")
 WAITING = ("sync", "recovery", "done")  # phases in which a rank waits for the others
 # A rank that has not begun its first step ("start": imports, its state factory, the first
 # group build) is judged silent only past this many silence floors: on a loaded host its first

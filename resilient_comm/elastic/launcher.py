@@ -35,6 +35,9 @@ What it does, and how it differs from torchrun:
   ``--max-spare-starts`` in all (default unlimited), so the pool stays full. Spares that are
   still waiting when every worker has ended are stopped (SIGTERM) and do not count in the
   exit status.
+- ``--in-process``: a script not written for the controller restarts in the same processes
+  after a failure (`resilient_comm.elastic.inprocess`: its ``__main__`` inside
+  ``restartable``; the decorator in the script does the same).
 - ``--max-restarts N``: when every worker has ended and the job failed (nobody could recover
   in-process: say every replica lost a rank), start the whole group again, up to N times, in a
   fresh namespace (the script resumes from its own checkpoint, as under torchrun). Single
@@ -516,6 +519,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=None, metavar="N",
                    help="serve this node's Prometheus metrics at http://0.0.0.0:N/metrics (0: any free port, "
                         "logged; needs prometheus_client: resilient_comm[metrics])"),
+    p.add_argument("--in-process", action="store_true",
+                   help="restart the script in the same processes after a failure (elastic.inprocess.restartable "
+                        "around its __main__)")
     p.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
     p.add_argument("--no-python", "--no_python", action="store_true", help="run the script as a program")
     p.add_argument("script", help="the training script (or module, or program)")
@@ -541,12 +547,16 @@ def main(argv: list[str] | None = None) -> int:
     if a.rdzv_backend == "etcd" and not a.rdzv_endpoint:
         print("resilient-run: --rdzv-backend etcd needs --rdzv-endpoint host:port[,host:port...]", file=sys.stderr)
         return 2
+    if a.in_process and a.no_python:
+        print("resilient-run: --in-process runs a Python script or module, not --no-python", file=sys.stderr)
+        return 2
+    inproc = ["-m", "resilient_comm.elastic.inprocess_main"] if a.in_process else []
     if a.no_python:
         cmd = [a.script, *a.script_args]
     elif a.module:
-        cmd = [sys.executable, "-u", "-m", a.script, *a.script_args]
+        cmd = [sys.executable, "-u", *inproc, "-m", a.script, *a.script_args]
     else:
-        cmd = [sys.executable, "-u", a.script, *a.script_args]
+        cmd = [sys.executable, "-u", *inproc, a.script, *a.script_args]
     try:
         launcher = Launcher(cmd, a.nproc_per_node, nnodes=least, max_nodes=most, node_rank=a.node_rank,
                             endpoint=endpoint, max_restarts=a.max_restarts, run_id=a.rdzv_id, log_dir=a.log_dir,

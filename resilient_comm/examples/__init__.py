@@ -1,0 +1,1 @@
+"""Example scripts (run them under ``resilient-run``; see each one's docstring)."""
