@@ -16,6 +16,13 @@ step, after writing the time of its death. Per repetition and world size, altern
   hangs unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (the rendezvous store keeps the
   old generation's keys), so that variable is set; ``--torchrun-default`` adds runs without
   it, reported as "no recovery" after ``--torchrun-timeout``.
+- **the tutorial's script** (`resilient_comm.examples.elastic_train`; ``--no-scripts`` leaves it
+  out), under ``resilient-run``: with its ``@restartable`` line (system in-process-restart: the
+  survivors' ``main`` is unwound and called again in the same processes, which load the
+  checkpoint), and without it under ``--max-restarts 1`` (max-restarts: the survivors fail,
+  every process starts again, imports torch and loads the checkpoint). The victim is
+  SIGKILLed from the bench once it logged step ``--kill-step``. Measured: kill -> the last
+  rank's first step after it.
 - **hot spare** (``--spares K``, system ``ours-spare``): the same job under ``resilient-run
   --spares K``; the spare is warm (registered) before the kill, takes the dead rank's place
   and receives its state from a peer. Measured: kill -> the first step committed by every
@@ -44,6 +51,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -53,6 +61,7 @@ from resilient_comm.elastic.toy import ToyJob, read_events
 
 FIX = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 TARGETS = {4: 0.5, 8: 1.0}  # s, kill -> first committed step, median
+INPROCESS_TARGET = 0.5  # s, kill -> first step of the tutorial's script restarted in-process, median
 SPARE_TARGET = 2.5  # s, kill -> first committed step with the world size restored, median
 
 
@@ -165,6 +174,70 @@ def run_ours(nproc: int, rep: int, s: Settings, root: str, sigstop: bool = False
     return run
 
 
+SCRIPT_STEP = re.compile(r"step=(\d+) world=(\d+) sum=\d+ t=([\d.]+)")
+PLAIN = "import resilient_comm.examples.elastic_train as m; m.main.__wrapped__()"  # without @restartable
+
+
+def run_script(nproc: int, rep: int, s: Settings, root: str, system: str) -> Run:
+    """The tutorial's script (resilient_comm.examples.elastic_train) under resilient-run: with
+    its ``@restartable`` (system in-process-restart), or without it under ``--max-restarts 1``
+    (max-restarts: every process starts again). The victim is SIGKILLed from here once it
+    logged step `kill_step`; measured: kill -> the last survivor's first step after it."""
+    from resilient_comm.elastic.launcher import Launcher
+
+    workdir = tempfile.mkdtemp(prefix=f"{system}{nproc}-{rep}-", dir=root)
+    logs = os.path.join(workdir, "logs")
+    cmd = ([sys.executable, "-u", "-m", "resilient_comm.examples.elastic_train"] if system == "in-process-restart"
+           else [sys.executable, "-u", "-c", PLAIN])
+    env = {"ELASTIC_CKPT": os.path.join(workdir, "ckpt.pt"), "ELASTIC_STEPS": str(s.steps),
+           "ELASTIC_SLEEP_S": str(max(s.step_ms, 10.0) / 1e3)}
+    run = Run(system, nproc, rep, False)
+    launcher = Launcher(cmd, nproc, max_restarts=0 if system == "in-process-restart" else 1, log_dir=logs, env=env)
+    victim = nproc // 2
+
+    def steps(gen: int, rank: int) -> list[tuple[int, int, float]]:
+        try:
+            with open(os.path.join(logs, str(gen), f"{rank}.log")) as f:
+                return [(int(a), int(b), float(c)) for a, b, c in SCRIPT_STEP.findall(f.read())]
+        except FileNotFoundError:
+            return []
+
+    status: list[int] = []
+    launcher.start()
+    waiter = threading.Thread(target=lambda: status.append(launcher.wait()), name="bench-launcher", daemon=True)
+    waiter.start()
+    deadline = time.monotonic() + s.timeout_s
+    while not any(st == s.kill_step for st, _, _ in steps(0, victim)):
+        if time.monotonic() > deadline or not waiter.is_alive():
+            launcher.forward(signal.SIGKILL)
+            waiter.join()
+            run.note = "the victim never reached its step"
+            return run
+        time.sleep(0.005)  # pacing a bounded poll of the victim's log
+    os.kill(launcher.workers[victim].proc.pid, signal.SIGKILL)
+    kill_t = time.time()
+    waiter.join(max(0.0, deadline - time.monotonic()))
+    if waiter.is_alive():
+        launcher.forward(signal.SIGKILL)
+        waiter.join()
+        run.note = f"not finished within {s.timeout_s:.0f} s"
+        return run
+    gen = 0 if system == "in-process-restart" else 1
+    ranks = [r for r in range(nproc) if r != victim] if gen == 0 else list(range(nproc))
+    firsts = [[x for x in steps(gen, r) if x[2] > kill_t][:1] for r in ranks]
+    before = max(st for st, _, t in steps(0, 0) if t < kill_t)
+    if not all(firsts):
+        run.note = f"launcher status {status[0]}; not every rank stepped after the kill"
+        return run
+    run.recovered, run.fault_t = True, kill_t
+    run.first_commit_s = max(f[0][2] for f in firsts) - kill_t
+    run.resume_step = min(f[0][0] for f in firsts)
+    run.world_after = firsts[0][0][1]
+    run.redone = before + 1 - run.resume_step
+    run.note = f"launcher status {status[0]}"
+    return run
+
+
 def _free_port() -> int:
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
@@ -259,7 +332,7 @@ def _fmt(x: float | None, unit: str = "s") -> str:
 
 def report(runs: list[Run]) -> tuple[str, list[str]]:
     """The table and the target verdicts."""
-    head = (f"{'system':<17} {'ranks':>5} {'runs':>4} {'recovered':>9} | {'fault->first commit':>21} "
+    head = (f"{'system':<18} {'ranks':>5} {'runs':>4} {'recovered':>9} | {'fault->first commit':>21} "
             f"{'p90':>9} | {'detected':>9} {'exit rep.':>9} {'hb susp.':>9} | {'redone':>6}")
     lines = [head, "-" * len(head)]
     groups: dict[tuple[str, int], list[Run]] = {}
@@ -271,7 +344,7 @@ def report(runs: list[Run]) -> tuple[str, list[str]]:
         med[(system, n)] = fc[0]
         redone = [r.redone for r in rs if r.redone is not None]
         lines.append(
-            f"{system:<17} {n:>5} {len(rs):>4} {sum(r.recovered for r in rs):>9} | {_fmt(fc[0]):>21} {_fmt(fc[1]):>9} | "
+            f"{system:<18} {n:>5} {len(rs):>4} {sum(r.recovered for r in rs):>9} | {_fmt(fc[0]):>21} {_fmt(fc[1]):>9} | "
             f"{_fmt(_stat([r.detected_s for r in rs])[0], 'ms'):>9} {_fmt(_stat([r.exit_report_s for r in rs])[0], 'ms'):>9} "
             f"{_fmt(_stat([r.suspicion_s for r in rs])[0], 'ms'):>9} | {max(redone) if redone else '-':>6}")
     ours = [r for r in runs if r.system == "ours"]
@@ -310,6 +383,17 @@ def report(runs: list[Run]) -> tuple[str, list[str]]:
                         f"{SPARE_TARGET} s median at {n} ranks: "
                         f"{'MET' if m is not None and m <= SPARE_TARGET and kept else 'NOT MET'} ({_fmt(m)}"
                         f"{'' if kept else ', world size NOT kept'})")
+    for n in sorted({r.nproc for r in runs if r.system == "in-process-restart"}):
+        m, base = med.get(("in-process-restart", n)), med.get(("max-restarts", n))
+        if n in TARGETS:
+            verdicts.append(f"target: in-process restart of the tutorial's script, SIGKILL -> first step <= "
+                            f"{INPROCESS_TARGET} s median at {n} ranks: "
+                            f"{'MET' if m is not None and m <= INPROCESS_TARGET else 'NOT MET'} ({_fmt(m)})")
+        if ("max-restarts", n) in med:
+            ratio = None if m is None or base is None else base / m
+            verdicts.append(f"target: in-process restart >= 5x faster than --max-restarts at {n} ranks: "
+                            f"{'MET' if ratio is not None and ratio >= 5 else 'NOT MET'} "
+                            f"({'-' if ratio is None else f'{ratio:.1f}x'})")
     redone = [r.redone for r in ours if r.redone is not None]
     if redone:
         verdicts.append(f"target: <= 1 step redone (ours): {'MET' if max(redone) <= 1 else 'NOT MET'} "
@@ -326,7 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ckpt-every", type=int, default=10, help="checkpoint cadence in steps, both systems")
     p.add_argument("--step-ms", type=float, default=0.0, help="extra time per step standing for compute")
     p.add_argument("--sigstop-reps", type=int, default=5, help="heartbeat-only detection runs at the first size")
-    p.add_argument("--no-torchrun", action="store_true", help="ours only")
+    p.add_argument("--no-torchrun", action="store_true", help="no torchrun runs")
+    p.add_argument("--no-scripts", action="store_true",
+                   help="no runs of the tutorial's script (in-process-restart, max-restarts)")
     p.add_argument("--spares", type=int, default=0, metavar="K",
                    help="also runs with K hot spares (system ours-spare); with --spares-only, only those")
     p.add_argument("--spares-only", action="store_true", help="only the hot-spare runs")
@@ -349,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
         for n in nprocs:
             for rep in range(a.reps):
                 order = ["ours", "torchrun"] if rep % 2 == 0 else ["torchrun", "ours"]
+                if not a.no_scripts:
+                    scripts = ["in-process-restart", "max-restarts"]
+                    order += scripts if rep % 2 == 0 else scripts[::-1]
                 if a.spares:
                     order = ["ours-spare"] if a.spares_only else [*order, "ours-spare"]
                 for system in order:
@@ -356,10 +445,12 @@ def main(argv: list[str] | None = None) -> int:
                         runs.append(run_ours(n, rep, s, root))
                     elif system == "ours-spare":
                         runs.append(run_ours(n, rep, s, root, spares=a.spares))
+                    elif system in ("in-process-restart", "max-restarts"):
+                        runs.append(run_script(n, rep, s, root, system))
                     elif not a.no_torchrun:
                         runs.append(run_torchrun(n, rep, s, root, fix=True))
                     r = runs[-1]
-                    print(f"  {r.system:<16} {n} ranks rep {rep}: fault->first commit {_fmt(r.first_commit_s)}"
+                    print(f"  {r.system:<18} {n} ranks rep {rep}: fault->first commit {_fmt(r.first_commit_s)}"
                           f"  {r.note}", flush=True)
             for rep in range(a.torchrun_default):
                 runs.append(run_torchrun(n, rep, s, root, fix=False))
