@@ -69,12 +69,11 @@ import copy
 import datetime
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, NoReturn, Self
+from typing import Any, Self
 
 import torch
 import torch.distributed as dist
@@ -95,6 +94,7 @@ from resilient_comm.elastic.agreement import (
     wait_placed,
 )
 from resilient_comm.elastic.detector import Detector, DetectorConfig
+from resilient_comm.elastic.evidence import Evidence
 from resilient_comm.elastic.membership import (
     Decision,
     Gone,
@@ -108,7 +108,7 @@ from resilient_comm.elastic.policy import DIMS, Mesh
 from resilient_comm.elastic.state import Place, StateFactory, Stateful, TrainState, warm_up
 from resilient_comm.elastic.statesync import recv_state, send_state
 from resilient_comm.elastic.timeline import Timeline
-from resilient_comm.elastic.vote import Pacer, commit_vote, vote_device
+from resilient_comm.elastic.vote import commit_vote, vote_device
 from resilient_comm.groups import _adopt
 
 ENV_STORE = "RESILIENT_COMM_STORE"  # the job's store: host:port (the launcher's) or etcd://h1:p1,h2:p2
@@ -154,7 +154,7 @@ class Step:
         return False
 
 
-class Controller:
+class Controller(Evidence):
     """One per worker process; its methods are for the training thread only."""
 
     def __init__(
@@ -231,15 +231,8 @@ class Controller:
         self._tries: dict[int, int] = {}
         self._groups: Groups | None = None
         self._device_mesh: tuple[Groups | None, Any] | None = None  # (the groups it was built over, it)
-        self._lock = threading.Lock()
-        self._registered: list[dist.ProcessGroup] = []
-        self._watching: set[int] = set(initial.members)
-        self._evidence: dict[int, Gone] = {}
+        Evidence.__init__(self, self.rank, initial.members)  # _held: the groups of this process
         self._heard: dict[int, tuple[str, float]] = {}  # rank -> (source, arrival) of its first report
-        self._detected_at: float | None = None
-        self._fatal: str | None = None
-        self._fenced: str | None = None  # the node agent cut this node off (no store majority)
-        self._finished = False
         self._idle = False  # a spare that was never placed: nothing to run
         self._detector = Detector(env[ENV_AGENT], self.rank, detector or DetectorConfig.from_env(), self._on_gone,
                                   self._on_store_lost, self._on_fenced)
@@ -427,43 +420,10 @@ class Controller:
 
     # -- failure evidence (detector threads) ----------------------------------------------
 
-    def _on_gone(self, g: Gone) -> None:
-        with self._lock:
-            self._heard.setdefault(g.rank, ("exit_report" if g.kind == "exit" else "suspicion", now()))
-            if self._finished or g.rank not in self._watching:
-                return
-            self._evidence.setdefault(g.rank, g)
-            if self._detected_at is None:
-                self._detected_at = now()
-            groups = list(self._registered)
-        self._abort(groups, f"rank {g.rank} is gone ({g.kind}: {g.detail}, reported by {g.by})")
+    def _note(self, g: Gone) -> None:
+        self._heard.setdefault(g.rank, ("exit_report" if g.kind == "exit" else "suspicion", now()))
 
-    def _on_fenced(self, reason: str) -> None:
-        with self._lock:
-            self._fenced = reason
-            groups = list(self._registered)
-        self._abort(groups, f"fenced: {reason}")
-
-    def _check_fatal(self) -> None:
-        """Leave if the node was fenced (`Evicted`) or the store is gone (`RecoveryError`)."""
-        if self._fenced:
-            raise Evicted(f"rank {self.rank} was fenced: {self._fenced}")
-        if self._fatal:
-            raise RecoveryError(self._fatal)
-
-    def _store_failed(self, e: BaseException) -> NoReturn:
-        """A store call failed: fenced meanwhile (`Evicted`), or no membership (`RecoveryError`)."""
-        self._check_fatal()
-        raise RecoveryError(f"rank {self.rank}: the store failed: {e}") from e
-
-    def _on_store_lost(self, reason: str) -> None:
-        with self._lock:
-            self._fatal = reason  # the agent is gone, or it lost the store
-            groups = list(self._registered)
-        self._abort(groups, self._fatal)
-
-    @staticmethod
-    def _abort(groups: list[dist.ProcessGroup], reason: str) -> None:
+    def _abort(self, groups: list[dist.ProcessGroup], reason: str) -> None:
         for pg in groups:
             try:
                 resilient_comm.abort(pg, reason)
@@ -472,7 +432,7 @@ class Controller:
 
     def _register(self, pg: dist.ProcessGroup, members: list[int]) -> None:
         with self._lock:
-            self._registered.append(pg)
+            self._held.append(pg)
             doomed = [r for r in members if r in self._evidence]
         if doomed:
             self._abort([pg], f"rank(s) {doomed} gone while the group was being built")
@@ -489,10 +449,9 @@ class Controller:
         if tries > self._max_per_step:
             raise RecoveryError(f"{tries - 1} recoveries at step {self.next_step} without progress") from cause
         tl = Timeline(self.rank, f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}")
+        failure, detected = self._failure_times()
         with self._lock:
-            detected = self._detected_at or now()
-            failure = min([g.t for g in self._evidence.values()] + [detected])
-            groups = list(self._registered)
+            groups = list(self._held)
         tl.mark("failure", failure)
         tl.mark("detected", detected)
         if op_error:
@@ -525,7 +484,7 @@ class Controller:
             except dist.DistBackendError as e:
                 cause = e  # a failure during the rebuild or the state copy: on to the next epoch
                 with self._lock:
-                    groups = list(self._registered)
+                    groups = list(self._held)
                 self._abort(groups, f"rebuild of epoch {decision.epoch} failed")
         if decision.failed_at:
             tl.mark("failure", min(tl.t["failure"], decision.failed_at))
@@ -575,7 +534,7 @@ class Controller:
     def _build(self, d: Decision, base: Decision | None) -> None:
         """Make `d`'s world and dp/tp/pp groups and verify them with one collective each."""
         with self._lock:
-            old, self._registered, self._watching = self._registered, [], set(d.members)
+            old, self._held, self._watching = self._held, [], set(d.members)
         self.applied_epoch, self._decision, self._ready = d.epoch, d, False
         me, mesh = d.members.index(self.rank), d.mesh_obj()
         self._resolve_state()
@@ -615,11 +574,7 @@ class Controller:
         self._groups = Groups(world=world, dp=sub["dp"], tp=sub["tp"], pp=sub["pp"])
         self._ready = True
         self._detector.set_members(d.members, self._comm_bytes)
-        with self._lock:
-            for r in [r for r in self._evidence if r not in d.members]:
-                del self._evidence[r]
-            if not self._evidence:
-                self._detected_at = None
+        self._forget(d.members)
 
     def _shrink_world(self, exclude: list[int], epoch: int) -> dist.ProcessGroup:
         """The world without `exclude` (ranks of the current world), as the new default group.
@@ -694,28 +649,10 @@ class Controller:
         job back (the caller then runs the remaining steps)."""
         self._detector.progress(self.committed, "done")
         self._m.set_done(self.rank, self.committed)
-        deadline = time.monotonic() + self._timeout.total_seconds()
-        pace = Pacer(cap_s=0.02)
-        while True:
-            self._check_fatal()
-            members = self._decision.members
-            try:
-                done, gone = self._m.done(members), self._detector.gone()
-            except (dist.DistStoreError, dist.DistNetworkError) as e:
-                self._store_failed(e)
-            if all(r in done or r in gone for r in members):
-                with self._lock:
-                    self._finished = True
-                if not self._m.finished():
-                    self._m.set_finished()
-                    self._m.post_event({"kind": "finished"})  # waiting spares leave
-                return True
-            if self._m.epoch() > self.applied_epoch:
-                self._recover(RuntimeError("a member is recovering after this one finished"), op_error=False)
-                return self.next_step >= total and self._finish(total)
-            if time.monotonic() > deadline:
-                raise RecoveryError(f"members {[r for r in members if r not in done]} never finished")
-            pace.wait()
+        if self._wait_all_done(self._m.done):
+            return True
+        self._recover(RuntimeError("a member is recovering after this one finished"), op_error=False)
+        return self.next_step >= total and self._finish(total)
 
 
 __all__ = ["ENV_NAMESPACE", "ENV_SPARE", "ENV_STORE", "EXIT_EVICTED", "Controller", "Evicted", "Groups", "Place",

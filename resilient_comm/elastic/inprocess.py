@@ -42,10 +42,9 @@ import datetime
 import functools
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar, overload
+from typing import Any, TypeVar, overload
 
 import torch.distributed as dist
 
@@ -62,18 +61,18 @@ from resilient_comm.elastic.agreement import (
 )
 from resilient_comm.elastic.controller import ENV_NAMESPACE, ENV_SPARE, ENV_STORE
 from resilient_comm.elastic.detector import Detector, DetectorConfig
-from resilient_comm.elastic.membership import Decision, Gone, JoinRecord, Membership, connect, now
+from resilient_comm.elastic.evidence import Evidence
+from resilient_comm.elastic.membership import Decision, JoinRecord, Membership, connect, now
 from resilient_comm.elastic.metrics import recovery_line
 from resilient_comm.elastic.policy import Mesh
 from resilient_comm.elastic.timeline import Timeline
-from resilient_comm.elastic.vote import Pacer
 
 log = logging.getLogger("resilient_comm.elastic")
 R = TypeVar("R")
 NOT_STEPS = 1 << 30  # the step a restartable rank reports while it waits: it judges nobody a straggler
 
 
-class Restarter:
+class Restarter(Evidence):
     """One per worker process: runs ``fn`` and re-enters it after each recovery."""
 
     def __init__(self, max_restarts: int = 10, timeout: datetime.timedelta | None = None) -> None:
@@ -84,14 +83,7 @@ class Restarter:
         self.max_restarts = max_restarts
         self._timeout = timeout or dist.default_pg_timeout
         self._m = Membership(connect(env[ENV_STORE], self._timeout), env[ENV_NAMESPACE])
-        self._lock = threading.Lock()
-        self._backends: list[Any] = []  # made by the script in this incarnation (aborted on a fault)
-        self._watching: set[int] = set()
-        self._evidence: dict[int, Gone] = {}
-        self._detected_at: float | None = None
-        self._fatal: str | None = None
-        self._fenced: str | None = None
-        self._finished = False
+        Evidence.__init__(self, self.rank, [])  # _held: the backends the script made in this incarnation
         self.applied_epoch = 0
         self.restarts = 0
         self.recoveries: list[Timeline] = []
@@ -103,48 +95,15 @@ class Restarter:
 
     def _on_create(self, backend: Any) -> None:
         with self._lock:
-            self._backends.append(backend)
+            self._held.append(backend)
             doomed = sorted(r for r in self._evidence if r in self._watching)
             reason = self._fenced or self._fatal
         if doomed or reason:
             self._abort([backend], reason or f"rank(s) {doomed} gone before this group was made")
 
-    def _on_gone(self, g: Gone) -> None:
-        with self._lock:
-            if self._finished or g.rank not in self._watching:
-                return
-            self._evidence.setdefault(g.rank, g)
-            if self._detected_at is None:
-                self._detected_at = now()
-            backends = list(self._backends)
-        self._abort(backends, f"rank {g.rank} is gone ({g.kind}: {g.detail}, reported by {g.by})")
-
-    def _on_fenced(self, reason: str) -> None:
-        with self._lock:
-            self._fenced = reason
-            backends = list(self._backends)
-        self._abort(backends, f"fenced: {reason}")
-
-    def _on_store_lost(self, reason: str) -> None:
-        with self._lock:
-            self._fatal = reason
-            backends = list(self._backends)
-        self._abort(backends, reason)
-
-    @staticmethod
-    def _abort(backends: list[Any], reason: str) -> None:
+    def _abort(self, backends: list[Any], reason: str) -> None:
         for b in backends:
             b.abort_with_reason(reason)  # returns at once; any number of times
-
-    def _check_fatal(self) -> None:
-        if self._fenced:
-            raise Evicted(f"rank {self.rank} was fenced: {self._fenced}")
-        if self._fatal:
-            raise RecoveryError(self._fatal)
-
-    def _store_failed(self, e: BaseException) -> NoReturn:
-        self._check_fatal()
-        raise RecoveryError(f"rank {self.rank}: the store failed: {e}") from e
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -204,7 +163,7 @@ class Restarter:
                            "ROLE_WORLD_SIZE": str(len(d.members))})
         resilient_comm._Creation.prefix = f"rc-incarnation/{d.epoch}/"
         with self._lock:
-            self._watching, self._backends = set(d.members), []
+            self._watching, self._held = set(d.members), []
         self._detector.set_members(d.members, 0)
         self._detector.progress(d.epoch, "run")
         if tl is not None:
@@ -219,20 +178,18 @@ class Restarter:
 
     def _teardown(self, reason: str) -> None:
         with self._lock:
-            backends = list(self._backends)
+            backends = list(self._held)
         self._abort(backends, reason)
         if dist.is_initialized():
             dist.destroy_process_group()  # every group of the script's incarnation
         with self._lock:
-            self._backends = []
+            self._held = []
 
     def _recover(self, cause: BaseException) -> Timeline:
         """Unwound from `cause`: tear down, agree on the next membership; the timeline so far."""
         self._check_fatal()
         tl = Timeline(self.rank, f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}")
-        with self._lock:
-            detected = self._detected_at or now()
-            failure = min([g.t for g in self._evidence.values()] + [detected])
+        failure, detected = self._failure_times()
         tl.mark("failure", failure)
         tl.mark("detected", detected)
         if isinstance(cause, dist.DistBackendError) and not isinstance(cause, resilient_comm.CommAbortedError):
@@ -261,11 +218,7 @@ class Restarter:
             raise Evicted(f"rank {self.rank} was evicted in epoch {d.epoch} (lost {d.lost}); "
                           f"{len(d.members)} ranks go on")
         self._decision, self.applied_epoch = d, d.epoch
-        with self._lock:
-            for r in [r for r in self._evidence if r not in d.members]:
-                del self._evidence[r]
-            if not self._evidence:
-                self._detected_at = None
+        self._forget(d.members)
         if d.failed_at:
             tl.mark("failure", min(tl.t["failure"], d.failed_at))
         return tl
@@ -278,27 +231,7 @@ class Restarter:
         # those as committed steps).
         finished = Membership(self._m.store, self._m.key("restartable", self.applied_epoch))
         finished.set_done(self.rank, 0)
-        deadline = time.monotonic() + self._timeout.total_seconds()
-        pace = Pacer(cap_s=0.02)
-        while True:
-            self._check_fatal()
-            members = self._decision.members
-            try:
-                done, gone = finished.done(members), self._detector.gone()
-                if all(r in done or r in gone for r in members):
-                    with self._lock:
-                        self._finished = True
-                    if not self._m.finished():
-                        self._m.set_finished()
-                        self._m.post_event({"kind": "finished"})  # waiting spares leave
-                    return True
-                if self._m.epoch() > self.applied_epoch:
-                    return False
-            except (dist.DistStoreError, dist.DistNetworkError) as e:
-                self._store_failed(e)
-            if time.monotonic() > deadline:
-                raise RecoveryError(f"members {[r for r in members if r not in done]} never finished")
-            pace.wait()
+        return self._wait_all_done(finished.done)
 
 
 @overload
