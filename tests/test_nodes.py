@@ -304,3 +304,35 @@ def test_a_capacity_node_joins_late_and_its_spares_take_a_lost_nodes_place(capac
     assert LEASE_S - 2.0 < d.t - killed < LEASE_S + 3.0, f"decided {d.t - killed:.2f} s after the kill"
     check_survivors(job, d.members, placed=tuple(spares))
     assert "as capacity node 3 (--nnodes 3:4)" in job.log(3), job.log(3)[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_capacity_node_takes_its_spares_out_and_a_later_loss_shrinks(capacity_job: Job) -> None:
+    """Node 3 joins the 3:4 job as spare capacity (two spares registered) and is SIGKILLed
+    whole: its predecessor on the ring sees its lease expire and reports its spares gone; no
+    member was lost, so no epoch starts. Then node 2 is SIGKILLed: the dead spares must not be
+    placed, so ranks 4 and 5 leave and the job finishes on ranks 0-3 with identical replicas."""
+    job, world = capacity_job, (NODES - 1) * PER_NODE
+    spares = [world + 3, world + NODES + 3]
+    job.held()
+    job.launch(3)
+    job.store.wait([job.m.key("spare", i) for i in range(2)], datetime.timedelta(seconds=120))
+    job.c.kill_node(3)
+    killed = time.time()
+    deadline = time.monotonic() + LEASE_S + 10
+    while len(job.m.gone(spares)) < 2:
+        assert time.monotonic() < deadline, f"node 3's spares never reported gone: {job.log(2)[-2000:]}"
+        time.sleep(0.1)  # pacing a bounded poll of the gone records
+    seen = time.time() - killed
+    gone = job.m.gone(spares)
+    assert all(g.kind == "suspect" and g.by == "agent 2" and "lease" in g.detail for g in gone.values()), gone
+    print(f"[nodes] capacity node SIGKILLed -> its spares reported gone: {seen:.2f} s")
+    assert LEASE_S - 2.0 < seen < LEASE_S + 3.0, f"reported {seen:.2f} s after the kill"
+    assert job.m.epoch() == 0, "a lost spare is no member: nothing to decide"
+    job.c.kill_node(2)
+    job.go()
+    status = job.wait([0, 1])
+    assert status == {0: 0, 1: 0}, {i: job.log(i)[-2000:] for i in status}
+    ds = job.decisions()
+    assert len(ds) == 2 and (sorted(ds[1].lost), ds[1].joiners, ds[1].members) == ([4, 5], [], [0, 1, 2, 3]), ds
+    check_survivors(job, [0, 1, 2, 3])
