@@ -181,7 +181,10 @@ class Restarter(Evidence):
             backends = list(self._held)
         self._abort(backends, reason)
         if dist.is_initialized():
-            dist.destroy_process_group()  # every group of the script's incarnation
+            try:
+                dist.destroy_process_group()  # every group of the script's incarnation
+            except Exception as e:  # noqa: BLE001  (a backend whose shutdown fails must not end the job)
+                log.warning("rank %d: destroying the process groups after a failure: %s", self.rank, e)
         with self._lock:
             self._held = []
 
