@@ -416,7 +416,7 @@ def _bare(store: dist.TCPStore, **fields: object) -> Controller:
     c = object.__new__(Controller)
     defaults = {"rank": 0, "_hook": None, "_m": Membership(store, "rc/u"), "_pending": None, "_dirty": False,
                 "_snapshot": None, "_state": None, "committed": -1, "next_step": 0,
-                "_ckpt_dir": None, "_ckpt": None}
+                "_ckpt_dir": None, "_ckpt": None, "_shard_dp": False}
     for k, v in {**defaults, **fields}.items():
         setattr(c, k, v)
     return c

@@ -48,11 +48,11 @@ def catch_up(m: Membership, rank: int, applied: int, base: Decision) -> tuple[in
 
 
 def decide_epoch(m: Membership, epoch: int, base: Decision, joined: dict[int, JoinRecord], gone: dict[int, Gone],
-                 latest_checkpoint: Callable[[int], int | None], by: int) -> Decision:
+                 latest_checkpoint: Callable[[int], int | None], by: int, *, sharded: bool = False) -> Decision:
     """`decide` with the spares that registered, were never placed and are not gone."""
     candidates = [r for r in m.spares() if r not in set(base.used_spares)]
     spares = [r for r in candidates if r not in m.gone(candidates)]
-    return decide(epoch, base, joined, gone, m.done(base.members), spares, latest_checkpoint, by)
+    return decide(epoch, base, joined, gone, m.done(base.members), spares, latest_checkpoint, by, sharded=sharded)
 
 
 def await_decision(m: Membership, detector: Detector, rank: int, epoch: int, base: Decision, deadline: float,

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import dataclasses
 import datetime
 import logging
 import os
@@ -82,7 +83,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import resilient_comm
 from resilient_comm.api import _backend
-from resilient_comm.elastic import devicemesh
+from resilient_comm.elastic import devicemesh, reshard
 from resilient_comm.elastic.agent import ENV_AGENT
 from resilient_comm.elastic.agreement import (
     EXIT_EVICTED,
@@ -176,6 +177,7 @@ class Controller(Evidence):
         checkpoint_keep: int = 3,
         device: torch.device | str | None = None,
         warmup: Callable[[], Any] | None = None,
+        shard_dp: bool = False,
     ) -> None:
         """`state`: the state provider (``state_dict``/``load_state_dict``: a module, a
         `TrainState`, ...), or a factory called with this process's `Place` once it is known
@@ -183,13 +185,21 @@ class Controller(Evidence):
         depends on it). On a hot spare the constructor blocks until the spare is placed or
         the job ends. `device`: where the commit vote runs (`vote_device`). `warmup`: called once
         before the state is made, on a spare before it registers as waiting, so that being placed
-        costs only the state transfer: the imports, loads and compilation the factory needs."""
+        costs only the state transfer: the imports, loads and compilation the factory needs.
+        `shard_dp`: the state is sharded over dp (FSDP2): every recovery restores the newest
+        checkpoint, re-sharded onto the new mesh (`reshard`; needs `checkpoint_every`). A state
+        provider with an ``on_mesh(device_mesh)`` method has it called after every build of
+        the groups, before its state is restored: it re-creates its model over the new mesh."""
         env = os.environ
         missing = [k for k in ("RANK", "WORLD_SIZE", ENV_STORE, ENV_NAMESPACE, ENV_AGENT) if k not in env]
         if missing:
             raise RuntimeError(f"Controller needs {missing} in the environment: start workers with resilient-run")
         if checkpoint_every < 0 or (checkpoint_every and checkpoint_dir is None):
             raise ValueError(f"checkpoint_every={checkpoint_every} needs checkpoint_dir and must be >= 0")
+        if shard_dp and not checkpoint_every:
+            raise ValueError("shard_dp=True needs checkpoint_dir and checkpoint_every: a lost dp shard exists "
+                             "only in a checkpoint")
+        self._shard_dp = shard_dp
         self.rank = int(env["RANK"])
         self.is_spare = env.get(ENV_SPARE) == "1"
         world = int(env["WORLD_SIZE"])
@@ -508,7 +518,14 @@ class Controller(Evidence):
                                     lambda joined, gone: self._decide(current, base, joined, gone), self._check_fatal)
 
     def _decide(self, epoch: int, base: Decision, joined: dict[int, JoinRecord], gone: dict[int, Gone]) -> Decision:
-        return decide_epoch(self._m, epoch, base, joined, gone, self._latest_checkpoint, self.rank)
+        if not self._shard_dp:
+            return decide_epoch(self._m, epoch, base, joined, gone, self._latest_checkpoint, self.rank)
+        assert self._ckpt_dir is not None
+        past = [d for d in (self._m.decision(e) for e in range(base.epoch, -1, -1)) if d is not None]
+        found = reshard.newest(self._ckpt_dir, past)
+        d = decide_epoch(self._m, epoch, base, joined, gone, lambda _world: None if found is None else found[1],
+                         self.rank, sharded=True)
+        return dataclasses.replace(d, ckpt_epoch=found[0]) if found is not None and d.restore == "checkpoint" else d
 
     def _latest_checkpoint(self, world: int) -> int | None:
         if self._ckpt_dir is None:
@@ -522,13 +539,14 @@ class Controller(Evidence):
         from resilient_comm.checkpoint import AsyncCheckpointer
 
         me = self.place.rank
-        if self._ckpt is not None and self._ckpt_rank != me:
+        assert self._ckpt_dir is not None
+        directory = reshard.epoch_dir(self._ckpt_dir, self.applied_epoch) if self._shard_dp else self._ckpt_dir
+        if self._ckpt is not None and (self._ckpt_rank != me or self._ckpt.directory != os.path.abspath(directory)):
             self._ckpt.wait()
             self._ckpt.close()
             self._ckpt = None
         if self._ckpt is None:
-            assert self._ckpt_dir is not None
-            self._ckpt, self._ckpt_rank = AsyncCheckpointer(self._ckpt_dir, me, keep=self._ckpt_keep), me
+            self._ckpt, self._ckpt_rank = AsyncCheckpointer(directory, me, keep=self._ckpt_keep), me
         return self._ckpt
 
     def _build(self, d: Decision, base: Decision | None) -> None:
@@ -572,6 +590,9 @@ class Controller(Evidence):
                 one = torch.ones(1)
                 dist.all_reduce(one, group=sub[dim])
         self._groups = Groups(world=world, dp=sub["dp"], tp=sub["tp"], pp=sub["pp"])
+        on_mesh = getattr(self._state, "on_mesh", None)
+        if on_mesh is not None:
+            on_mesh(self.device_mesh)  # a model over the mesh (FSDP2) is re-created on the new one
         self._ready = True
         self._detector.set_members(d.members, self._comm_bytes)
         self._forget(d.members)
@@ -597,7 +618,15 @@ class Controller(Evidence):
         if self._ckpt is not None:
             self._ckpt.wait_snapshot()  # its host copy must not see the state change under it
         receivers = {j: donor for j, donor in d.sources}
-        if d.restore == "checkpoint":
+        if d.restore == "checkpoint" and self._shard_dp:
+            assert self._ckpt_dir is not None and self._state is not None
+            source = self._m.decision(d.ckpt_epoch)
+            if source is None:
+                raise RecoveryError(f"epoch {d.epoch} restores a checkpoint of epoch {d.ckpt_epoch}, which has no decision")
+            self._state.load_state_dict(reshard.load(self._ckpt_dir, source, d.ckpt_step, self.place.coords, self.mesh))
+            self.committed = d.ckpt_step
+            self._emit("recovery.loaded", epoch=d.epoch, step=d.ckpt_step, resharded_from=source.mesh)
+        elif d.restore == "checkpoint":
             from resilient_comm.checkpoint import AsyncCheckpointer
 
             assert self._ckpt_dir is not None and self._state is not None

@@ -36,11 +36,15 @@ def decide(
     spares: list[int],
     latest_checkpoint: Callable[[int], int | None],
     by: int,
+    *,
+    sharded: bool = False,
 ) -> Decision:
     """Epoch `epoch`'s decision from the previous one (`base`), the join records of the members
     that joined, the failure evidence, the steps finished members committed, the spares
     available (in the order they are to be used), and the newest checkpoint complete for a
-    mesh of a given size (None: none). `by` is the decider's launch rank."""
+    mesh of a given size (None: none). `by` is the decider's launch rank. `sharded`: the state
+    is sharded over dp (FSDP2), so no member is a donor and every member needs a state: the
+    whole job loads the checkpoint (re-sharded by each member)."""
     lost = [i for i, r in enumerate(base.members) if r not in joined]
     mesh0 = base.mesh_obj()
     top = max([j.committed for j in joined.values()] + list(done.values()))
@@ -62,7 +66,7 @@ def decide(
         members = [fill.get(i, base.members[i]) for i in p.stay]
         slots = [slots0[i] for i in p.stay]
         joiners = [fill[i] for i in p.stay if i in fill]
-        needers = [r for r in members if not current(r)]
+        needers = list(members) if sharded else [r for r in members if not current(r)]
         sources: list[list[int]] = []
         for r in needers:
             peers = [members[j] for j in p.mesh.group_ranks(members.index(r), "dp")]
@@ -76,6 +80,10 @@ def decide(
             ckpt_step = latest_checkpoint(p.mesh.size)
             if ckpt_step is None and joiners:
                 continue  # the spares cannot be given a state: shrink without them
+            if ckpt_step is None and sharded:
+                return Decision(epoch, [], base.mesh, "fail", top + 1, lost_ranks, evicted, by, now(), failed_at,
+                                "the state is sharded over dp and no checkpoint is complete: nothing holds "
+                                f"the shards of {lost_ranks}")
             if ckpt_step is None:
                 stray = [joined[r] for r in needers if r in joined]
                 return Decision(epoch, [], base.mesh, "fail", top + 1, lost_ranks, evicted, by, now(),

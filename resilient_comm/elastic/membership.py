@@ -193,6 +193,7 @@ class Decision:
     ckpt_step: int = -1  # with restore == "checkpoint": the step every member loads
     used_spares: list[int] = field(default_factory=list)  # every spare placed up to this epoch
     slots: list[int] = field(default_factory=list)  # launch rank whose place each member holds ([]: members)
+    ckpt_epoch: int = -1  # with a sharded state (reshard.py): the epoch whose mesh wrote that checkpoint
 
     def mesh_obj(self) -> Mesh:
         return Mesh(**self.mesh)
