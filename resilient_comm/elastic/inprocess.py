@@ -69,7 +69,6 @@ from resilient_comm.elastic.timeline import Timeline
 
 log = logging.getLogger("resilient_comm.elastic")
 R = TypeVar("R")
-NOT_STEPS = 1 << 30  # the step a restartable rank reports while it waits: it judges nobody a straggler
 
 
 class Restarter(Evidence):
@@ -86,7 +85,6 @@ class Restarter(Evidence):
         Evidence.__init__(self, self.rank, [])  # _held: the backends the script made in this incarnation
         self.applied_epoch = 0
         self.restarts = 0
-        self.recoveries: list[Timeline] = []
         self._decision = Decision(0, list(range(world)), Mesh.for_world(world).as_dict(), "init", 0)
         self._detector = Detector(env[ENV_AGENT], self.rank, DetectorConfig.from_env(), self._on_gone,
                                   self._on_store_lost, self._on_fenced)
@@ -171,7 +169,6 @@ class Restarter(Evidence):
             tl.epoch, tl.members, tl.mode = d.epoch, d.members, "restart"
             tl.emit()
             self._detector.report(recovery_line(tl))
-            self.recoveries.append(tl)
             log.warning("rank %d: in-process restart %d: epoch %d, world %d (was rank %d of the launch), %.0f ms "
                         "after the failure", me, self.restarts, d.epoch, len(d.members), self.rank,
                         1e3 * (tl.t["restored"] - tl.t["failure"]))
@@ -197,7 +194,7 @@ class Restarter(Evidence):
         tl.mark("detected", detected)
         if isinstance(cause, dist.DistBackendError) and not isinstance(cause, resilient_comm.CommAbortedError):
             tl.via["op_error"], tl.op_error = now(), type(cause).__name__
-        self._detector.progress(NOT_STEPS, "recovery")
+        self._detector.progress(self.applied_epoch, "recovery")
         self._teardown(f"recovering from {tl.cause}")
         tl.mark("aborted")
         deadline = time.monotonic() + self._timeout.total_seconds()
@@ -229,7 +226,7 @@ class Restarter(Evidence):
     def _finish(self) -> bool:
         """``fn`` returned: wait until it returned on every member of this epoch (True), or a
         recovery started after it (False: join it and run again)."""
-        self._detector.progress(NOT_STEPS, "done")
+        self._detector.progress(self.applied_epoch, "done")
         # Who returned, per epoch (not the membership's own done records: the decision reads
         # those as committed steps).
         finished = Membership(self._m.store, self._m.key("restartable", self.applied_epoch))
