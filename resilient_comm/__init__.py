@@ -26,7 +26,7 @@ import torch  # noqa: F401  (loads libtorch before our extension)
 import torch.distributed as dist
 
 from resilient_comm import _C
-from resilient_comm.api import abort, errored, tainted
+from resilient_comm.api import abort, errored, shm_peers, tainted
 from resilient_comm.config import knobs
 from resilient_comm.doctor import nccl_wheel_candidates
 from resilient_comm.errors import (
@@ -50,6 +50,7 @@ __all__ = [
     "grow",
     "join",
     "knobs",
+    "shm_peers",
     "shrink",
     "split",
     "tainted",

@@ -60,6 +60,14 @@ def errored(group: dist.ProcessGroup | None = None) -> CommError | None:
     return _backend(group, "errored").comm_error()
 
 
+def shm_peers(group: dist.ProcessGroup | None = None) -> list[int]:
+    """The ranks of `group` (default: the world) whose large payloads this rank moves through
+    shared memory rather than the socket: same-host peers, unless RESILIENT_COMM_SHM=0. Empty
+    until the group's first op has built its connections.
+    """
+    return list(_backend(group, "shm_peers").shm_peers())
+
+
 def tainted() -> str | None:
     """Why this process is tainted (an abort that did not return in time), or None."""
     return _C.tainted()

@@ -31,7 +31,7 @@ def report() -> dict:
         "torch": torch.__version__,
         "cuda_available": torch.cuda.is_available(),
         "cpus": os.cpu_count(),
-        "transports": {"tcp": {"available": True, "caps": caps}},
+        "transports": {"tcp": {"available": True, "caps": caps, "shm": _C.shm_self_test()}},
         "nccl": nccl,
         "hccl": _C.probe_hccl(),
         "knobs": [(k.name, "<set, not shown>" if k.name in SECRET_KNOBS and k.value else k.value, k.default)
@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     print("transports:")
     caps = r["transports"]["tcp"]["caps"]
     print("  tcp   available  " + " ".join(f"{k}={'yes' if v else 'no'}" for k, v in caps.items()))
+    shm = r["transports"]["tcp"]["shm"]
+    print("        same-host payloads: " + ("through shared memory" if not shm else "through the socket: " + shm))
     n = r["nccl"]
     if n["found"]:
         print(f"  nccl  libnccl {n['version']} at {n['path']}")

@@ -2,7 +2,8 @@
 not, gets a clear error within 2 s of the kill (the op timeout is 30 s), stays alive, and
 can build a new process group of the survivors; also where the ranks connect on first use
 (RESILIENT_COMM_TCP_FULL_MESH below the world size), so most survivors hold no connection to
-the victim."""
+the victim. The kill and the mismatch tests run with payloads through the shared-memory rings
+(the default between same-host ranks) and through the socket (RESILIENT_COMM_SHM=0)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ def _loop_until_failure(ctx: WorkerContext, victim: int, numel: int, full_mesh: 
         (8, 2, 1 << 20, 2),  # ring-sized: nothing but the ring is connected
     ],
 )
+@pytest.mark.usefixtures("data_path")
 def test_sigkill_mid_allreduce_every_survivor_errors_fast(world_size: int, victim: int, numel: int,
                                                            full_mesh: int | None) -> None:
     with start_workers(_loop_until_failure, world_size, victim, numel, full_mesh, timeout_s=60) as w:
@@ -120,6 +122,7 @@ def _mismatched_sizes(ctx: WorkerContext) -> tuple[str, float]:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.usefixtures("data_path")
 def test_mismatched_sizes_fail_clearly_on_every_rank(world_size: int) -> None:
     with start_workers(_mismatched_sizes, world_size, timeout_s=60) as w:
         results = w.join()

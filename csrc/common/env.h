@@ -15,6 +15,8 @@ namespace resilient_comm::env {
     "TCP collective algorithm: auto (alpha-beta cost model), ring, rd (log-depth), direct")      \
   X(kHost, "RESILIENT_COMM_HOST", "",                                                            \
     "address this rank publishes for TCP connections (default: the host name's IPv4 address)")   \
+  X(kShm, "RESILIENT_COMM_SHM", "1",                                                            \
+    "0: same-host TCP peers move payloads through the socket, not shared memory")                \
   X(kTcpFullMesh, "RESILIENT_COMM_TCP_FULL_MESH", "64",                                       \
     "TCP groups of at most this many ranks connect every pair at init; larger ones connect on first use") \
   X(kChunkBytes, "RESILIENT_COMM_CHUNK_BYTES", "262144",                                         \

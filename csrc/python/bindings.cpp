@@ -139,6 +139,12 @@ PYBIND11_MODULE(_C, m) {
       .def("comm_state",
            [](const ResilientBackend& b) { return std::string(resilient_comm::commStateName(b.cpuComm()->state())); })
       .def("comm_caps", [](const ResilientBackend& b) { return capsDict(b.cpuComm()->caps()); })
+      .def("shm_peers",
+           [](const ResilientBackend& b) {
+             auto* tcp = dynamic_cast<const resilient_comm::tcp::TcpCommunicator*>(b.cpuComm().get());
+             return tcp != nullptr ? tcp->shmPeers() : std::vector<int>{};
+           },
+           "ranks of this group whose large payloads go through shared memory (RESILIENT_COMM_SHM)")
       .def("reused_connections",
            [](const ResilientBackend& b) {
              auto* tcp = dynamic_cast<const resilient_comm::tcp::TcpCommunicator*>(b.cpuComm().get());
@@ -171,6 +177,8 @@ PYBIND11_MODULE(_C, m) {
     return out;
   });
 
+  m.def("shm_self_test", [] { return resilient_comm::tcp::shmSelfTest(); },
+        "'' if this process can set up the TCP transport's shared-memory rings (RESILIENT_COMM_SHM), else why not");
   m.def("tcp_caps", [] { return capsDict(resilient_comm::tcp::TcpCommunicator::transportCaps()); });
 
   m.def("probe_hccl", [] {

@@ -60,6 +60,27 @@ ELEM = 4  # float32
 # Project targets (on the reference 2-core machine).
 LATENCY_TARGET_BYTES = 8  # ours <= 1.0x gloo latency at this nominal size
 BANDWIDTH_TARGET_MIN_BYTES = 1 << 20  # ours >= 1.0x gloo busbw at sizes >= this
+# With same-host payloads through shared memory (issue #18): all_reduce busbw vs gloo at >= 1 MiB
+# by world size, 8 B latency, and the absolute busbw at 64 MiB on 2 ranks.
+SHM_BUSBW_X = {2: 2.0, 4: 1.5}
+SHM_LATENCY_X = 0.5
+SHM_BUSBW_64MIB_GBPS = 3.0
+
+
+def memcpy_GBps(nbytes: int = 64 << 20, reps: int = 9) -> float:
+    """Median bandwidth of one process copying `nbytes` between two buffers (torch's copy,
+    this process's threads): the limit a same-host data path moves bytes toward."""
+    import torch
+
+    a = torch.ones(nbytes // 4)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        b.copy_(a)
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times) / 1e9
 
 
 def busbw_factor(op: str, n: int) -> float:
@@ -247,7 +268,9 @@ def _worker(ctx: Any, cfg: dict) -> dict:
             del fns, bind, reset, check
 
     dist.barrier(group=gloo)
-    info = {"torch_threads": torch.get_num_threads(), "pid": os.getpid()}
+    import resilient_comm
+
+    info = {"torch_threads": torch.get_num_threads(), "pid": os.getpid(), "shm_peers": resilient_comm.shm_peers()}
     dist.destroy_process_group(gloo)
     dist.destroy_process_group()
     return {"records": records, "info": info}
@@ -282,7 +305,7 @@ def _summarise(world_size: int, worker_values: list[dict]) -> list[dict]:
     return rows
 
 
-def _targets(rows: list[dict]) -> dict:
+def _targets(rows: list[dict], shm: bool = False) -> dict:
     lat = [r for r in rows if r["nominal_bytes"] == LATENCY_TARGET_BYTES]
     bw = [r for r in rows if r["nominal_bytes"] >= BANDWIDTH_TARGET_MIN_BYTES]
 
@@ -290,6 +313,27 @@ def _targets(rows: list[dict]) -> dict:
         return f"world {r['world_size']} {r['op']} {human_bytes(r['bytes'])}: {r[key]:.2f}x"
 
     out = {}
+    if shm:
+        ar = [r for r in rows if r["op"] == "all_reduce"]
+        lat2 = [r for r in ar if r["world_size"] == 2 and r["nominal_bytes"] == LATENCY_TARGET_BYTES]
+        if lat2:
+            miss = [desc(r, "latency_ratio") for r in lat2 if r["latency_ratio"] > SHM_LATENCY_X]
+            out["shm_latency_8B"] = {"target": f"shm: all_reduce latency <= {SHM_LATENCY_X}x gloo at 8 B, 2 ranks",
+                                     "checked": len(lat2), "met": len(lat2) - len(miss), "all_met": not miss,
+                                     "misses": miss}
+        for ws, x in SHM_BUSBW_X.items():
+            sel = [r for r in ar if r["world_size"] == ws and r["nominal_bytes"] >= BANDWIDTH_TARGET_MIN_BYTES]
+            if sel:
+                miss = [desc(r, "busbw_ratio") for r in sel if r["busbw_ratio"] < x]
+                out[f"shm_busbw_{ws}"] = {"target": f"shm: all_reduce busbw >= {x}x gloo at >= 1 MiB, {ws} ranks",
+                                          "checked": len(sel), "met": len(sel) - len(miss), "all_met": not miss,
+                                          "misses": miss}
+        big = [r for r in ar if r["world_size"] == 2 and r["nominal_bytes"] == 64 << 20]
+        if big:
+            miss = [f"{r['ours']['busbw_GBps']:.2f} GB/s" for r in big if r["ours"]["busbw_GBps"] < SHM_BUSBW_64MIB_GBPS]
+            out["shm_busbw_64MiB"] = {"target": f"shm: all_reduce busbw >= {SHM_BUSBW_64MIB_GBPS:g} GB/s at 64 MiB, "
+                                                "2 ranks", "checked": len(big), "met": len(big) - len(miss),
+                                      "all_met": not miss, "misses": miss}
     if lat:
         miss = [desc(r, "latency_ratio") for r in lat if r["latency_ratio"] > 1.0]
         out["latency_8B"] = {"target": "ours latency <= 1.0x gloo at 8 B", "checked": len(lat),
@@ -402,8 +446,12 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         rows.extend(_summarise(ws, [r.value for r in results]))
         worker_info[ws] = results[0].value["info"]
+    copy_GBps = memcpy_GBps()  # the limit, measured in the same run
     elapsed = time.monotonic() - t0
-    targets = _targets(rows)
+    shm = {str(k): bool(v["shm_peers"]) for k, v in worker_info.items()}
+    targets = _targets(rows, shm=any(shm.values()))
+    host["memcpy_64MiB_GBps"] = round(copy_GBps, 2)
+    host["shm_in_use"] = shm
     host["torch_threads_per_worker"] = {str(k): v["torch_threads"] for k, v in worker_info.items()}
     host["loadavg_before"] = list(load_before)
     host["loadavg_after"] = list(os.getloadavg())
@@ -416,6 +464,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{load_before[0]:.2f}/{host['loadavg_after'][0]:.2f}")
     print(f"float32, {reps} reps x ~{block_ms:g} ms blocks per backend, ours = resilient_tcp "
           f"(RESILIENT_COMM_ALGO={host['knobs'].get('RESILIENT_COMM_ALGO')})")
+    print()
+    print("ours' same-host payloads: " + ("shared-memory rings" if any(shm.values()) else
+                                          "the socket (RESILIENT_COMM_SHM=0 or unavailable)") +
+          f"; memcpy in one process, 64 MiB, median: {copy_GBps:.2f} GB/s (the limit)")
     print()
     print(format_table(rows))
     print(format_targets(targets))

@@ -257,6 +257,7 @@ bool Links::eager(int peer) const {
 void Links::store(int peer, Socket s) {
   std::lock_guard<std::mutex> lock(mu_);
   peers_[peer].sock = std::move(s);
+  peers_[peer].shm.reset();  // a new connection's rings are set up with it (shm.h)
   if (abort_.aborted()) {
     peers_[peer].sock.shutdownBoth();
   }
@@ -392,6 +393,12 @@ Status Links::build(const Deadline& dl, int* reused) {
       RC_RETURN_IF_ERROR(connect(j, dl, /*retryRefused=*/!spec_.derived).status());
     }
   }
+  std::vector<int> fresh;  // connected here: their shared-memory rings are set up below
+  for (int j = 0; j < size; ++j) {
+    if (j != rank && eager(j) && !connected(j)) {
+      fresh.push_back(j);
+    }
+  }
   for (int j = 0; j < rank; ++j) {
     if (eager(j) && !connected(j)) {
       RC_RETURN_IF_ERROR(dial(j, dl, /*retryRefused=*/!spec_.derived));
@@ -408,7 +415,7 @@ Status Links::build(const Deadline& dl, int* reused) {
       }
     }
     if (waiting.empty()) {
-      return Status::ok();
+      return negotiateShm(peers_, fresh, mu_, dl, abort_);
     }
     if (abort_.aborted()) {  // an abandoned build must not take a connection a later one needs
       return Status(StatusCode::kAborted, "accept interrupted: " + abort_.reason());

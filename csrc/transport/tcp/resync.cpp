@@ -23,6 +23,7 @@ struct Pair {
   WireHeader in{};  // the peer's frame being read
   size_t got = 0;
   uint64_t skip = 0;     // payload bytes of the current frame still to discard
+  uint64_t ringSkip = 0;  // the same, where the payload is in the pair's ring (shm.h)
   bool last = false;     // the frame being discarded is the parent's kError
   bool ended = false;    // the peer's parent kError was read
   bool gone = false;     // the stream ended or is garbled: connect afresh
@@ -67,10 +68,32 @@ void checkEnds(std::vector<Pair>& pairs, std::vector<Peer>& peers) {
 }
 
 // Reads from the peer until its parent kError, the end of what is available, or a verdict.
-Status readUntilEnd(Pair& p, int fd, uint64_t parent) {
+Status readUntilEnd(Pair& p, Peer& peer, uint64_t parent) {
   char sink[64 * 1024];
+  const int fd = peer.sock.fd();
   while (!p.ended && !p.gone) {
     ssize_t r;
+    if (p.ringSkip > 0) {
+      // A whole message the peer sent (its stream was clean) has all of its payload published
+      // before anything that follows it on the socket: what is missing comes before the next
+      // frame, unless the stream ends (the peer stopped mid-message).
+      Result<size_t> n = peer.shm->read(nullptr, p.ringSkip);
+      if (!n.isOk()) {
+        p.gone = true;
+        break;
+      }
+      p.ringSkip -= n.value();
+      if (p.ringSkip > 0) {
+        char c;
+        r = ::recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+        if (r < 0 && wouldBlock(errno)) {
+          return Status::ok();
+        }
+        p.gone = true;  // ended, or a frame in front of the payload's end: garbled
+        break;
+      }
+      continue;
+    }
     if (p.skip > 0) {
       r = ::recv(fd, sink, std::min<uint64_t>(p.skip, sizeof(sink)), MSG_DONTWAIT);
       if (r > 0) {
@@ -94,8 +117,8 @@ Status readUntilEnd(Pair& p, int fd, uint64_t parent) {
         } else {
           // The parent's data or fence, an ancestor's kError, or the parent's own kError.
           p.last = h.kind == static_cast<uint8_t>(MsgKind::kError) && h.tag == parent;
-          p.skip = h.bytes;
-          p.ended = p.skip == 0 && p.last;
+          (viaRing(peer, h) ? p.ringSkip : p.skip) = h.bytes;
+          p.ended = h.bytes == 0 && p.last;
         }
         continue;
       }
@@ -128,9 +151,8 @@ Status runPairs(std::vector<Pair>& pairs, std::vector<Peer>& peers, uint64_t par
   std::vector<pollfd> fds;
   std::vector<Pair*> who;
   for (Pair& p : pairs) {
-    const int fd = peers[p.peer].sock.fd();
-    writeFence(p, fd);
-    RC_RETURN_IF_ERROR(readUntilEnd(p, fd, parent));  // usually all there: no wait at all
+    writeFence(p, peers[p.peer].sock.fd());
+    RC_RETURN_IF_ERROR(readUntilEnd(p, peers[p.peer], parent));  // usually all there: no wait at all
   }
   for (;;) {
     fds.clear();
@@ -173,7 +195,7 @@ Status runPairs(std::vector<Pair>& pairs, std::vector<Peer>& peers, uint64_t par
       if (p.sent < kHdr) {
         writeFence(p, fds[i].fd);
       }
-      RC_RETURN_IF_ERROR(readUntilEnd(p, fds[i].fd, parent));
+      RC_RETURN_IF_ERROR(readUntilEnd(p, peers[p.peer], parent));
       if (!p.ended && (fds[i].revents & (POLLHUP | POLLERR))) {
         p.gone = true;
       }
@@ -215,6 +237,7 @@ Status resyncStreams(int rank, uint64_t hash, uint64_t parent, std::vector<Peer>
     if (p.gone) {
       peer.sock.shutdownBoth();
       peer.sock = Socket();
+      peer.shm.reset();
       gone->push_back(p.peer);
       continue;
     }

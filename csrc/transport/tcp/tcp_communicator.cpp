@@ -77,6 +77,17 @@ int TcpCommunicator::connections() const {
   return n;
 }
 
+std::vector<int> TcpCommunicator::shmPeers() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int> out;
+  for (size_t i = 0; i < peers_.size(); ++i) {
+    if (peers_[i].shm != nullptr && peers_[i].sock.valid()) {
+      out.push_back(static_cast<int>(i));
+    }
+  }
+  return out;
+}
+
 void TcpCommunicator::endLinks() {
   if (listener_) {
     listener_->ended(meshHash());
@@ -211,6 +222,7 @@ std::shared_ptr<TcpCommunicator> TcpCommunicator::derive(const std::vector<int>&
         Peer& p = peers_[members[i]];
         if (p.sock.valid() && !p.dirty && !p.hangupSeen && p.fenceGot == 0) {
           child->peers_[i].sock = std::move(p.sock);
+          child->peers_[i].shm = std::move(p.shm);
           child->peers_[i].ended = p.ended;
         }
       }

@@ -125,6 +125,8 @@ class TcpCommunicator : public CommLifecycle, public std::enable_shared_from_thi
   // Peers this rank holds a connection to (for tests and benchmarks): all of them in a small
   // group, in a large one those its ops have used (mesh.h, [Note: lazy connections]).
   int connections() const;
+  // Peers whose large payloads go through shared memory (shm.h), by rank in this group.
+  std::vector<int> shmPeers() const;
 
   // The algorithm the cost model picks (for tests and benchmarks).
   Algo chooseAlgo(OpKind op, size_t bytes) const {

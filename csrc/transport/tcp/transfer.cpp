@@ -13,6 +13,7 @@
 
 #include "common/check.h"
 #include "transport/tcp/mesh.h"
+#include "transport/tcp/reduce.h"
 #include "transport/tcp/resync.h"
 
 namespace resilient_comm::tcp {
@@ -31,6 +32,8 @@ constexpr std::chrono::milliseconds kWatchFencedAfter{1};
 // kProbeEvery): one that died is a PeerFailure at once rather than at the deadline.
 constexpr std::chrono::milliseconds kProbeAfter{100};
 constexpr std::chrono::milliseconds kProbeEvery{500};
+// In run()'s poll set, the doorbell of peer p's rings is tagged kBellOf - p.
+constexpr int kBellOf = -3;
 
 std::string describeHeader(const WireHeader& h) {
   std::string s = std::string(opKindName(static_cast<OpKind>(h.op))) + " #" + std::to_string(h.seq) + " (" +
@@ -100,6 +103,15 @@ void Transfer::recv(int peer, void* buf, size_t bytes, Callback onDone) {
       RecvItem{header(bytes, meta_.seq, meta_.tag), {}, static_cast<char*>(buf), 0, false, std::move(onDone)});
 }
 
+void Transfer::recvReduce(int peer, void* scratch, void* target, size_t bytes, DataType dt, RedOp op,
+                          Callback onDone) {
+  RecvItem it{header(bytes, meta_.seq, meta_.tag), {}, static_cast<char*>(scratch), 0, false, std::move(onDone)};
+  it.target = static_cast<char*>(target);
+  it.dt = dt;
+  it.op = op;
+  q_[peer].recvs.push_back(std::move(it));
+}
+
 void Transfer::recvP2P(int peer, void* buf, size_t bytes, uint64_t seq, uint64_t tag) {
   q_[peer].recvs.push_back(RecvItem{header(bytes, seq, tag), {}, static_cast<char*>(buf), 0, false, nullptr});
 }
@@ -113,16 +125,42 @@ bool Transfer::pending() const {
   return false;
 }
 
+bool Transfer::sendInRing(int peer) const {
+  const Queues& q = q_[peer];
+  return !q.sends.empty() && q.sends.front().done >= kHdr && viaRing(peers_[peer], q.sends.front().hdr);
+}
+
+bool Transfer::recvInRing(int peer) const {
+  const Queues& q = q_[peer];
+  return !q.recvs.empty() && q.recvs.front().checked && viaRing(peers_[peer], q.recvs.front().expect);
+}
+
 Status Transfer::progressSend(int peer, bool* progressed) {
   Queues& q = q_[peer];
   while (!q.sends.empty()) {
     SendItem& it = q.sends.front();
-    size_t total = kHdr + it.hdr.bytes;
+    const size_t total = kHdr + it.hdr.bytes;
+    const bool ring = viaRing(peers_[peer], it.hdr);
+    if (ring && it.done >= kHdr) {  // the header went through the socket; the payload goes here
+      Result<size_t> n = peers_[peer].shm->write(it.buf + (it.done - kHdr), total - it.done);
+      if (!n.isOk()) {
+        return n.status();
+      }
+      if (n.value() == 0) {
+        return Status::ok();  // the ring is full: the peer's bell says when it is not
+      }
+      *progressed = true;
+      it.done += n.value();
+      if (it.done == total) {
+        q.sends.pop_front();
+      }
+      continue;
+    }
     iovec iov[2];
     int n = 0;
     if (it.done < kHdr) {
       iov[n++] = {reinterpret_cast<char*>(&it.hdr) + it.done, kHdr - it.done};
-      if (it.hdr.bytes > 0) {
+      if (it.hdr.bytes > 0 && !ring) {
         iov[n++] = {const_cast<char*>(it.buf), it.hdr.bytes};
       }
     } else {
@@ -144,10 +182,12 @@ Status Transfer::progressSend(int peer, bool* progressed) {
     }
     *progressed = true;
     it.done += static_cast<size_t>(w);
-    if (it.done < total) {
+    if (it.done < (ring ? kHdr : total)) {
       return Status::ok();
     }
-    q.sends.pop_front();
+    if (it.done == total) {
+      q.sends.pop_front();
+    }
   }
   return Status::ok();
 }
@@ -287,7 +327,7 @@ Status Transfer::progressFence(int peer) {
     return takeFence(p, peer);  // the rest of a fence already begun
   }
   iovec iov[3] = {{&p.fenceIn, kHdr}, {&it.got, kHdr}, {it.buf, it.expect.bytes}};
-  ssize_t r = ::readv(p.sock.fd(), iov, it.expect.bytes > 0 ? 3 : 2);
+  ssize_t r = ::readv(p.sock.fd(), iov, it.expect.bytes > 0 && !viaRing(p, it.expect) ? 3 : 2);
   if (r < 0 && wouldBlock(errno)) {
     return Status::ok();
   }
@@ -331,11 +371,33 @@ void Transfer::markDirty(bool sending) {
 Status Transfer::readMore(int peer, RecvItem& it, bool* blocked) {
   *blocked = false;
   const size_t total = kHdr + it.expect.bytes;
+  const bool ring = viaRing(peers_[peer], it.expect);
+  if (ring && it.checked) {  // the header matched: the payload comes through the ring
+    const size_t at = it.done - kHdr;
+    Result<size_t> got =
+        it.target == nullptr ? peers_[peer].shm->read(it.buf + at, total - it.done)
+                             : peers_[peer].shm->consume(total - it.done, [&it, at](size_t off, const char* p, size_t len) {
+                                 const size_t es = dataTypeSize(it.dt);
+                                 reduceInto(it.target + at + off, p, len / es, it.dt, it.op);
+                               });
+    if (!got.isOk()) {
+      return got.status();
+    }
+    if (got.value() == 0) {
+      if (peers_[peer].hangupSeen) {  // and nothing more was published before it
+        return Status(StatusCode::kPeerFailure, "rank " + std::to_string(peer) + " closed its connection in the middle of " +
+                                                    describeHeader(it.expect) + "; it died, exited or aborted");
+      }
+      *blocked = true;  // the peer's bell says when more is there
+    }
+    it.done += got.value();
+    return Status::ok();
+  }
   iovec iov[2];
   int n = 0;
   if (it.done < kHdr) {
     iov[n++] = {reinterpret_cast<char*>(&it.got) + it.done, kHdr - it.done};
-    if (it.expect.bytes > 0) {
+    if (it.expect.bytes > 0 && !ring) {
       iov[n++] = {it.buf, it.expect.bytes};
     }
   } else {
@@ -382,6 +444,9 @@ Status Transfer::progressRecv(int peer) {
       if (it.done < total) {
         continue;
       }
+    }
+    if (it.target != nullptr && !viaRing(peers_[peer], it.expect)) {
+      reduceInto(it.target, it.buf, it.expect.bytes / dataTypeSize(it.dt), it.dt, it.op);
     }
     Callback cb = std::move(it.cb);
     q.recvs.pop_front();
@@ -493,11 +558,17 @@ Status Transfer::run() {
         }
         const Queues& q = q_[p];
         short ev = 0;
-        if (!q.sends.empty()) {
+        const bool sendRing = sendInRing(static_cast<int>(p));
+        const bool recvRing = recvInRing(static_cast<int>(p));
+        if (!q.sends.empty() && !sendRing) {
           ev |= POLLOUT;
         }
         const bool fenced = peers_[p].fence != 0;
-        if (!q.recvs.empty() || !(ignoreInput_[p] || peers_[p].hangupSeen || (fenced && !watchFenced.passed()))) {
+        if (recvRing) {
+          // Moving a payload through the ring: what follows on the socket is a later frame,
+          // read once this one is whole; the socket is watched for the hang-up only.
+        } else if (!q.recvs.empty() ||
+                   !(ignoreInput_[p] || peers_[p].hangupSeen || (fenced && !watchFenced.passed()))) {
           // Without a receive queued: watching for a kError frame, behind a shrink's fence
           // only once this op has waited a while (see kWatchFencedAfter).
           ev |= POLLIN;
@@ -509,6 +580,10 @@ Status Transfer::run() {
         }
         fds.push_back(pollfd{peers_[p].sock.fd(), static_cast<short>(ev | POLLRDHUP), 0});
         who.push_back(static_cast<int>(p));
+        if (sendRing || recvRing) {
+          fds.push_back(pollfd{peers_[p].shm->bellFd(), POLLIN, 0});
+          who.push_back(kBellOf - static_cast<int>(p));
+        }
       }
       if (wakeFd_ >= 0) {
         fds.push_back(pollfd{wakeFd_, POLLIN, 0});
@@ -540,6 +615,18 @@ Status Transfer::run() {
           listenerReady = true;  // pumped below
           continue;
         }
+        if (p <= kBellOf) {  // a peer moved its ring or ours
+          p = kBellOf - p;
+          peers_[p].shm->drainBell();
+          if (!q_[p].recvs.empty()) {
+            RC_RETURN_IF_ERROR(progressRecv(p));
+          }
+          if (!q_[p].sends.empty()) {
+            bool moved = false;
+            RC_RETURN_IF_ERROR(progressSend(p, &moved));
+          }
+          continue;
+        }
         if (p < 0) {
           uint64_t n = 0;
           (void)!::read(wakeFd_, &n, sizeof(n));
@@ -548,6 +635,9 @@ Status Transfer::run() {
         }
         bool involved = !q_[p].sends.empty() || !q_[p].recvs.empty();
         bool hup = (re & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+        if (hup && recvInRing(p)) {
+          peers_[p].hangupSeen = true;  // what it published before still counts (readMore)
+        }
         if (q_[p].recvs.empty() && (re & POLLIN) && !ignoreInput_[p]) {
           RC_RETURN_IF_ERROR(peekUnexpected(p));
         }

@@ -32,12 +32,14 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "common/abort_token.h"
 #include "common/deadline.h"
 #include "common/status.h"
 #include "comm/types.h"
+#include "transport/tcp/shm.h"
 #include "transport/tcp/socket.h"
 #include "transport/tcp/wire.h"
 
@@ -60,7 +62,16 @@ struct Peer {
   uint64_t fence = 0;
   WireHeader fenceIn{};  // the fence's header, as far as read
   size_t fenceGot = 0;
+  // A same-host peer's shared-memory rings (shm.h), set up with the connection; large
+  // payloads go through them. Null: everything goes through the socket.
+  std::shared_ptr<ShmLink> shm;
 };
+
+// Whether the payload of the frame `h` on `peer`'s stream goes through its ring (shm.h).
+inline bool viaRing(const Peer& peer, const WireHeader& h) {
+  return peer.shm != nullptr && h.bytes >= kShmMinBytes &&
+         (h.kind == static_cast<uint8_t>(MsgKind::kData) || h.kind == static_cast<uint8_t>(MsgKind::kDataAck));
+}
 
 // Writes a whole kError frame carrying `failure` (tagged with the hash `comm` of the
 // communicator that ended, see wire.h) to every peer whose stream is clean, without blocking;
@@ -97,6 +108,10 @@ class Transfer {
   // peer this op receives nothing else from; one per peer and op is enough.
   void sendConfirmed(int peer, const void* buf, size_t bytes);
   void recv(int peer, void* buf, size_t bytes, Callback onDone = nullptr);
+  // Receives `bytes` and reduces them into `target` (dst = op(dst, received), over `dt`)
+  // before `onDone`: straight out of the ring on a pair that has one, else read into
+  // `scratch` first.
+  void recvReduce(int peer, void* scratch, void* target, size_t bytes, DataType dt, RedOp op, Callback onDone);
   // Point-to-point messages carry their own per-pair sequence number and tag.
   void sendP2P(int peer, const void* buf, size_t bytes, uint64_t seq, uint64_t tag);
   void recvP2P(int peer, void* buf, size_t bytes, uint64_t seq, uint64_t tag);
@@ -123,6 +138,9 @@ class Transfer {
     size_t done;  // header and payload bytes read
     bool checked;
     Callback cb;
+    char* target = nullptr;  // recvReduce's: buf is its scratch
+    DataType dt = DataType::kUInt8;
+    RedOp op = RedOp::kSum;
   };
   struct Queues {
     std::deque<SendItem> sends;
@@ -131,6 +149,10 @@ class Transfer {
 
   WireHeader header(size_t bytes, uint64_t seq, uint64_t tag) const;
   Status progressSend(int peer, bool* progressed);
+  // Whether the front send (receive) to `peer` is past its header and moving its payload
+  // through the ring: then the bell, not the socket, says when it can go on.
+  bool sendInRing(int peer) const;
+  bool recvInRing(int peer) const;
   Status progressRecv(int peer);
   Status checkHeader(int peer, RecvItem& item);
   // The kError frame whose header `item` holds: reads its text, and leaves the stream at the

@@ -27,6 +27,11 @@ enum class MsgKind : uint8_t {
   kDataAck = 4,
   // The answer to a kDataAck: its header with this kind and `bytes` 0; no payload.
   kAck = 5,
+  // Right after the Hello of a connection made by a build: the sender's shared-memory offer
+  // (`bytes` = sizeof(ShmLink::Offer) of payload, shm.h); then, where both offered and share
+  // a host, a kShmVerdict whose `tag` is 1 if the sender could attach to the peer's ring.
+  kShmOffer = 6,
+  kShmVerdict = 7,
 };
 
 struct WireHeader {

@@ -150,10 +150,9 @@ class RingRun {
       freeSlots_.pop_back();
       dst = slots_ + slot * chunkElems_ * es_;
     }
-    xfer_.recv(left_, dst, len * es_, [this, it, first, len, slot]() -> Status {
-      if (slot != SIZE_MAX) {
-        char* target = buf_ + first * es_;
-        reduceInto(target, slots_ + slot * chunkElems_ * es_, len, dt_, op_);
+    char* target = buf_ + first * es_;
+    auto done = [this, it, target, len, slot]() -> Status {
+      if (slot != SIZE_MAX) {  // reduced into target by the transfer
         if (op_ == RedOp::kAvg && it.t == n_ - 2) {
           scale(target, len, dt_, n_);
         }
@@ -164,7 +163,12 @@ class RingRun {
       }
       postNextRecv();
       return Status::ok();
-    });
+    };
+    if (slot != SIZE_MAX) {
+      xfer_.recvReduce(left_, dst, target, len * es_, dt_, op_, std::move(done));
+    } else {
+      xfer_.recv(left_, dst, len * es_, std::move(done));
+    }
   }
 
   const AlgoContext& c_;
