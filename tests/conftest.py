@@ -3,9 +3,10 @@
 import pytest
 
 
-@pytest.fixture(params=["shm", "socket"])
+@pytest.fixture
 def data_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a test twice: same-host payloads through the TCP transport's shared-memory rings
-    (the default) and through the socket (RESILIENT_COMM_SHM=0). Workers inherit the variable."""
+    """Parametrized indirectly ("shm" or "socket"): same-host payloads through the TCP
+    transport's shared-memory rings (the default) or through the socket (RESILIENT_COMM_SHM=0).
+    Workers inherit the variable."""
     monkeypatch.setenv("RESILIENT_COMM_SHM", "1" if request.param == "shm" else "0")
     return request.param

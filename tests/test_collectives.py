@@ -17,9 +17,9 @@ returns). Tags go in the same order on both sides: the backend matches point-to-
 messages in order and treats a differing tag as an error (documented in communicator.h),
 where gloo matches by tag.
 
-Matrices (full, reduced, forced and p2p run twice: payloads between these same-host ranks
-through the TCP transport's shared-memory rings, the default, and through the socket,
-RESILIENT_COMM_SHM=0; the `data_path` fixture in conftest.py)
+Matrices (payloads between these same-host ranks go through the TCP transport's
+shared-memory rings, the default; one case each of full, reduced, forced and p2p runs them
+through the socket instead, RESILIENT_COMM_SHM=0: the `data_path` fixture in conftest.py)
   full     world sizes 2, 3, 4: 10 dtypes x every op x sizes 0, 1, 7, 1023 (plus 3 MiB cases)
   reduced  world sizes 1, 5, 8: 6 dtypes, sizes 0, 1, 1023, one 3 MiB case per collective
   forced   RESILIENT_COMM_ALGO=ring / =rd (set in os.environ inside the worker before init; the
@@ -651,9 +651,9 @@ def _reduced(label: str, env: dict) -> dict:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-@pytest.mark.usefixtures("data_path")
-def test_full_matrix(world_size: int) -> None:
+@pytest.mark.parametrize("world_size,data_path", [(2, "shm"), (3, "shm"), (4, "shm"), (4, "socket")],
+                         indirect=["data_path"])
+def test_full_matrix(world_size: int, data_path: str) -> None:
     """Every collective x every dtype x every op, sizes 0, 1, 7, 1023 and ~3 MiB; auto algorithm."""
     cfg = {
         "label": f"full ws={world_size} algo=auto",
@@ -669,9 +669,9 @@ def test_full_matrix(world_size: int) -> None:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("world_size", [1, 5, 8])
-@pytest.mark.usefixtures("data_path")
-def test_reduced_matrix(world_size: int) -> None:
+@pytest.mark.parametrize("world_size,data_path", [(1, "shm"), (5, "shm"), (8, "shm"), (5, "socket")],
+                         indirect=["data_path"])
+def test_reduced_matrix(world_size: int, data_path: str) -> None:
     """Fewer dtypes and sizes at world sizes 1, 5 and 8 (every collective and op still)."""
     _run(_reduced(f"reduced ws={world_size} algo=auto", {}), world_size, timeout_s=140)
 
@@ -686,17 +686,18 @@ def test_lazy_connections_matrix(world_size: int) -> None:
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(
-    "algo,world_size,chunk",
+    "algo,world_size,chunk,data_path",
     [
-        ("ring", 3, None),
-        ("rd", 3, None),  # not a power of two: ranks 0/1 fold into one before recursive doubling
-        ("rd", 4, None),
-        ("rd", 6, None),  # two folded pairs around a power of two
-        ("ring", 4, "1000"),  # many pipelined chunks; 1000 bytes splits elements across broadcast chunks
+        ("ring", 3, None, "shm"),
+        ("ring", 3, None, "socket"),
+        ("rd", 3, None, "shm"),  # not a power of two: ranks 0/1 fold into one before recursive doubling
+        ("rd", 4, None, "shm"),
+        ("rd", 6, None, "shm"),  # two folded pairs around a power of two
+        ("ring", 4, "1000", "shm"),  # many pipelined chunks; 1000 bytes splits elements across broadcast chunks
     ],
+    indirect=["data_path"],
 )
-@pytest.mark.usefixtures("data_path")
-def test_forced_algorithm(algo: str, world_size: int, chunk: str | None) -> None:
+def test_forced_algorithm(algo: str, world_size: int, chunk: str | None, data_path: str) -> None:
     """RESILIENT_COMM_ALGO forces one algorithm family for every size, small and ~3 MiB."""
     env = {"RESILIENT_COMM_ALGO": algo}
     if chunk:
@@ -806,9 +807,8 @@ def _exchange_worker(ctx: WorkerContext, numel: int, gaps: list[float]) -> dict:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.usefixtures("data_path")
-def test_simultaneous_large_isend_irecv(world_size: int) -> None:
+@pytest.mark.parametrize("world_size,data_path", [(2, "shm"), (4, "shm"), (2, "socket")], indirect=["data_path"])
+def test_simultaneous_large_isend_irecv(world_size: int, data_path: str) -> None:
     """A ~4 MiB float32 tensor each way, both ranks isend first: must not deadlock or stall.
     Each round runs on a fresh group. Back-to-back rounds race the backend's worker thread
     (isend taken alone or together with the irecv); the round with a 20 ms gap makes it take

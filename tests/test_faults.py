@@ -2,8 +2,8 @@
 not, gets a clear error within 2 s of the kill (the op timeout is 30 s), stays alive, and
 can build a new process group of the survivors; also where the ranks connect on first use
 (RESILIENT_COMM_TCP_FULL_MESH below the world size), so most survivors hold no connection to
-the victim. The kill and the mismatch tests run with payloads through the shared-memory rings
-(the default between same-host ranks) and through the socket (RESILIENT_COMM_SHM=0)."""
+the victim. Payloads go through the shared-memory rings (the default between same-host ranks); a case
+of each test runs them through the socket (RESILIENT_COMM_SHM=0)."""
 
 from __future__ import annotations
 
@@ -63,21 +63,23 @@ def _loop_until_failure(ctx: WorkerContext, victim: int, numel: int, full_mesh: 
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
-    "world_size,victim,numel,full_mesh",
+    "world_size,victim,numel,full_mesh,data_path",
     [
-        (4, 0, 1 << 18, None),  # first rank, ring-sized messages
-        (4, 2, 1 << 18, None),  # middle rank
-        (4, 3, 16, None),  # last rank, small (log-depth) messages
-        (8, 5, 1 << 16, None),  # larger world: most survivors are not the victim's neighbours
+        (4, 0, 1 << 18, None, "shm"),  # first rank, ring-sized messages
+        (4, 2, 1 << 18, None, "shm"),  # middle rank
+        (4, 2, 1 << 18, None, "socket"),  # the same through the socket (RESILIENT_COMM_SHM=0)
+        (4, 3, 16, None, "shm"),  # last rank, small (log-depth) messages
+        (8, 5, 1 << 16, None, "shm"),  # larger world: most survivors are not the victim's neighbours
+        (8, 5, 1 << 16, None, "socket"),
         # Connections on first use (a large group's path): only the ring neighbours and the
         # recursive-doubling partners are connected, yet every survivor hears within the bound.
-        (8, 5, 16, 2),
-        (8, 2, 1 << 20, 2),  # ring-sized: nothing but the ring is connected
+        (8, 5, 16, 2, "shm"),
+        (8, 2, 1 << 20, 2, "shm"),  # ring-sized: nothing but the ring is connected
     ],
+    indirect=["data_path"],
 )
-@pytest.mark.usefixtures("data_path")
 def test_sigkill_mid_allreduce_every_survivor_errors_fast(world_size: int, victim: int, numel: int,
-                                                           full_mesh: int | None) -> None:
+                                                           full_mesh: int | None, data_path: str) -> None:
     with start_workers(_loop_until_failure, world_size, victim, numel, full_mesh, timeout_s=60) as w:
         w.wait_ranks("looping")
         w.kill(victim, signal.SIGKILL)
@@ -121,9 +123,8 @@ def _mismatched_sizes(ctx: WorkerContext) -> tuple[str, float]:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.usefixtures("data_path")
-def test_mismatched_sizes_fail_clearly_on_every_rank(world_size: int) -> None:
+@pytest.mark.parametrize("world_size,data_path", [(2, "shm"), (4, "shm"), (4, "socket")], indirect=["data_path"])
+def test_mismatched_sizes_fail_clearly_on_every_rank(world_size: int, data_path: str) -> None:
     with start_workers(_mismatched_sizes, world_size, timeout_s=60) as w:
         results = w.join()
     for r in results:

@@ -388,7 +388,9 @@ Status negotiateShm(std::vector<Peer>& peers, const std::vector<int>& fresh, std
       Status st = p.link->attach(o);
       p.mine = st.isOk();
       if (!p.mine) {
-        RC_LOG(kWarning, "no shared memory with rank " << p.peer << " (same host): " << st.message());
+        // Info, not a warning: containers on one host share the boot id but not their pid
+        // namespaces, and every pair of them would say so (resilient-comm doctor tells why).
+        RC_LOG(kInfo, "no shared memory with rank " << p.peer << " (same boot id): " << st.message());
       }
       WireHeader v = frame(MsgKind::kShmVerdict, 0, p.mine ? 1 : 0);
       RC_RETURN_IF_ERROR(writeAll(peers[p.peer].sock, &v, kHdr, dl, abort));
