@@ -91,10 +91,10 @@ const std::string& bootId() {
 
 ShmLink::~ShmLink() {
   if (out_ != nullptr) {
-    ::munmap(out_, kDataOffset + out_->capacity);
+    ::munmap(out_, kDataOffset + outCap_);
   }
   if (in_ != nullptr) {
-    ::munmap(in_, kDataOffset + in_->capacity);
+    ::munmap(in_, kDataOffset + inCap_);
   }
   for (int fd : {memfd_, bellRead_, bellWrite_, peerBell_}) {
     if (fd >= 0) {
@@ -131,6 +131,7 @@ Result<std::unique_ptr<ShmLink>> ShmLink::create(uint64_t capacity) {
     return Status(StatusCode::kInternal, lastError("mmap"));
   }
   l->out_ = static_cast<Ring*>(m);
+  l->outCap_ = capacity;
   l->cookie_ = randomNonce();
   l->out_->magic = kRingMagic;
   l->out_->cookie = l->cookie_;
@@ -161,7 +162,7 @@ ShmLink::Offer ShmLink::offer() const {
   o.bell = bellRead_;
   o.memfdIno = inode(memfd_);
   o.bellIno = inode(bellRead_);
-  o.capacity = out_->capacity;
+  o.capacity = outCap_;
   o.cookie = cookie_;
   return o;
 }
@@ -190,6 +191,7 @@ Status ShmLink::attach(const Offer& p) {
     return fail(lastError("mmap"));
   }
   in_ = static_cast<Ring*>(m);
+  inCap_ = p.capacity;
   if (in_->magic != kRingMagic || in_->cookie != p.cookie || in_->capacity != p.capacity) {
     return fail("its ring's header does not match its offer");
   }
@@ -218,7 +220,7 @@ void ShmLink::drainBell() const {
 }
 
 Result<size_t> ShmLink::write(const char* src, size_t n) {
-  const uint64_t cap = out_->capacity;
+  const uint64_t cap = outCap_;  // never the shared copy: the peer can write that
   size_t done = 0;
   uint64_t tail = out_->tail.load(std::memory_order_acquire);
   while (done < n) {
@@ -248,7 +250,7 @@ Result<size_t> ShmLink::write(const char* src, size_t n) {
 }
 
 Result<size_t> ShmLink::consume(size_t n, const Sink& sink) {
-  const uint64_t cap = in_->capacity;
+  const uint64_t cap = inCap_;
   size_t done = 0;
   uint64_t head = in_->head.load(std::memory_order_acquire);
   while (done < n) {

@@ -127,6 +127,9 @@ class ShmLink {
   uint64_t cookie_ = 0;
   Ring* out_ = nullptr;  // ours; the peer reads it
   Ring* in_ = nullptr;   // the peer's
+  // The rings' sizes, kept here: the peer can write every word of either mapping.
+  uint64_t outCap_ = 0;
+  uint64_t inCap_ = 0;
   int peerBell_ = -1;
   uint64_t head_ = 0;  // what we published of `out_` (ours alone; the shared copy is not trusted)
   uint64_t tail_ = 0;  // what we consumed of `in_`
