@@ -33,12 +33,14 @@ def test_a_short_chaos_run_passes_every_check(tmp_path: Any) -> None:
 
 
 class _WrongReference:
-    """A reference whose final state is off by one bit of one weight."""
+    """A reference whose final state is off by one bit of one weight (the segments it was
+    asked for are kept)."""
 
     def __init__(self, real: Any) -> None:
-        self.real = real
+        self.real, self.asked = real, []
 
     def final(self, segments: list[tuple[int, list[int]]]) -> Any:
+        self.asked.append(segments)
         state = self.real.final(segments)
         wrong = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state["model"].items()}
         w = next(k for k, v in wrong.items() if isinstance(v, torch.Tensor) and v.is_floating_point())
@@ -50,11 +52,14 @@ class _WrongReference:
 def test_a_trial_that_ends_away_from_the_reference_is_divergent(tmp_path: Any) -> None:
     ref = chaos.Reference(4, 16, str(tmp_path / "ref"), 100.0)
     t = chaos.draw(0, "kill", random.Random(3), 4, 16)
-    good = chaos.run_trial(t, 4, 16, str(tmp_path / "good"), 100.0, ref)
-    assert good.ok, good.problems
-    bad = chaos.run_trial(t, 4, 16, str(tmp_path / "bad"), 100.0, _WrongReference(ref))  # type: ignore[arg-type]
+    wrong = _WrongReference(ref)
+    bad = chaos.run_trial(t, 4, 16, str(tmp_path / "bad"), 100.0, wrong)  # type: ignore[arg-type]
     assert not bad.ok and bad.divergent, bad
     assert bad.problems == ["the final state differs from the fault-free reference"], bad.problems
+    # The same run against the true reference is not divergent: only the bit flipped made it so.
+    (segments,) = wrong.asked
+    finals = [torch.load(p, weights_only=False) for p in sorted((tmp_path / "bad" / "dump").glob("final-*.pt"))]
+    assert finals and all(same_state(f["state"], ref.final(segments)) for f in finals)
 
 
 @pytest.mark.timeout(180)

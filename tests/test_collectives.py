@@ -32,7 +32,7 @@ through the socket instead, RESILIENT_COMM_SHM=0: the `data_path` fixture in con
            of groups larger than 64 ranks; csrc/transport/tcp/mesh.h).
   nccl     the same matrix on resilient_nccl with RESILIENT_COMM_NCCL_EMULATE=1 (CPU tensors on the
            NCCL code path: stream-ordered launches, NCCL groups, the NCCL emulator's kernels), at
-           every world size 1-8, with 1 ms kernels at world size 2; int16 is data only there
+           world sizes 1-5 and 8, with 1 ms kernels at world size 2; int16 is data only there
            (NCCL has no int16 reduction, which raises ValueError at the call: checked).
   p2p      a ~4 MiB isend/irecv exchange both ways at once, at world sizes 2 and 4, on fresh
            groups, back to back and with 20 ms between the isend and the irecv; it must finish
@@ -716,10 +716,10 @@ def test_forced_algorithm(algo: str, world_size: int, chunk: str | None, data_pa
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
 def test_emulated_nccl_matrix(world_size: int) -> None:
-    """The reduced matrix on the NCCL code path (RESILIENT_COMM_NCCL_EMULATE=1), every world size
-    1-8; at 2 ranks every kernel lasts 1 ms, so results are read only once the stream got there."""
+    """The reduced matrix on the NCCL code path (RESILIENT_COMM_NCCL_EMULATE=1), world sizes 1-5
+    and 8 (odd, even, powers of two and not; 6 and 7 added nothing but minutes); at 2 ranks every kernel lasts 1 ms, so results are read only once the stream got there."""
     env = {"RESILIENT_COMM_NCCL_EMULATE": "1"}
     if world_size == 2:
         env["RESILIENT_COMM_NCCL_EMULATE_KERNEL_US"] = "1000"

@@ -1,9 +1,12 @@
 """Nodes on one machine (network namespaces on a bridge, `testing.cluster`), the membership on a
-three-member etcd cluster among them, one resilient-run per node: a whole node SIGKILLed, a
-node partitioned, an etcd member lost, node 0's agent lost, a capacity node (--nnodes 3:4)
-joining late and its spares taking a lost node's ranks. Each time the job finishes with the
-right survivors, bit-identical replicas and no hang; the partitioned node is fenced within its
-lease + 1 s. Skipped, with the reason, where namespaces or etcd are not available."""
+three-member etcd cluster among them, one resilient-run per node: a node partitioned, the etcd
+leader lost (it is node 2's own member, first in its clients' lists: they move on too), node
+0's agent lost, a capacity node (--nnodes 3:4) joining late and its spares taking a whole
+SIGKILLed node's ranks, and a lost capacity node's spares taken out before a later whole-node
+loss shrinks the job. Each time the job finishes with the right survivors, bit-identical
+replicas and no hang; a lost node is decided on through its lease, and the partitioned node is
+fenced within its lease + 1 s. Skipped, with the reason, where namespaces or etcd are not
+available."""
 
 from __future__ import annotations
 
@@ -148,15 +151,6 @@ def capacity_job(tmp_path: Any) -> Any:
             j.close()
 
 
-def _a_follower(c: NetnsCluster, prefer: int) -> int:
-    """An etcd member that is not the leader (`prefer` if it is one)."""
-    import etcd3gw
-
-    status = {i: etcd3gw.client(host=c.addr(i), port=2379, api_path="/v3/").status() for i in c.etcd_on}
-    followers = [i for i, s in status.items() if s["leader"] != s["header"]["member_id"]]
-    return prefer if prefer in followers else followers[0]
-
-
 def check_survivors(job: Job, survivors: list[int], placed: tuple[int, ...] = ()) -> dict[int, dict[str, Any]]:
     finals = job.finals(survivors)
     for r in survivors:
@@ -169,23 +163,6 @@ def check_survivors(job: Job, survivors: list[int], placed: tuple[int, ...] = ()
     for r in survivors:
         assert r in placed or commits[r] == list(range(STEPS)), f"rank {r} committed {commits[r]}"
     return finals
-
-
-@pytest.mark.timeout(300)
-def test_a_whole_node_sigkill_is_seen_through_its_lease_and_the_job_goes_on(job: Job) -> None:
-    job.held()
-    job.c.kill_node(3)  # node 3: no etcd member; its agent and workers together
-    killed = time.time()
-    job.go()
-    status = job.wait([0, 1, 2])
-    assert status == {0: 0, 1: 0, 2: 0}, {i: job.log(i)[-2000:] for i in status}
-    ds = job.decisions()
-    assert [d.members for d in ds] == [list(range(WORLD)), list(range(6))] and ds[1].lost == [6, 7], ds
-    gone = job.m.gone([6, 7])
-    assert all(g.kind == "suspect" and g.by == "agent 2" and "lease" in g.detail for g in gone.values()), gone
-    print(f"[nodes] whole-node SIGKILL -> decision published: {ds[1].t - killed:.2f} s")
-    assert LEASE_S - 2.0 < ds[1].t - killed < LEASE_S + 3.0, f"decided {ds[1].t - killed:.2f} s after the kill"
-    check_survivors(job, list(range(6)))
 
 
 @pytest.mark.timeout(300)
@@ -213,21 +190,10 @@ def test_a_partitioned_node_is_fenced_within_its_lease_and_the_majority_goes_on(
 
 
 @pytest.mark.timeout(300)
-def test_losing_one_etcd_member_changes_nothing(job: Job) -> None:
-    job.held()
-    victim = _a_follower(job.c, prefer=2)  # node 2's own member, first in its list: its clients move on
-    job.c.kill_etcd(victim)
-    job.go()
-    status = job.wait(list(range(NODES)))
-    assert status == {i: 0 for i in range(NODES)}, {i: job.log(i)[-2000:] for i in status}
-    assert job.m.epoch() == 0, job.decisions()
-    check_survivors(job, list(range(WORLD)))
-
-
-@pytest.mark.timeout(300)
 def test_losing_the_etcd_leader_changes_nothing(partition_job: Job) -> None:
     """The member that leads the cluster dies (its node's agent and workers go on): the others
-    elect a new leader, which extends every lease, and nobody is fenced or evicted."""
+    elect a new leader, which extends every lease, node 2's clients move on from the member
+    first in their list, and nobody is fenced or evicted."""
     job = partition_job
     job.held()
     job.c.lead(2)
@@ -258,22 +224,6 @@ def test_losing_node_zeros_agent_takes_its_workers_out_and_the_rest_goes_on(job:
     assert ds[1].t - lost < LEASE_S + 3.0, f"decided {ds[1].t - lost:.2f} s after node 0's agent died"
     check_survivors(job, list(range(2, WORLD)))
     assert job.log(0).count("cannot recover: the node agent (resilient-run) is gone") == PER_NODE, job.log(0)[-3000:]
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("job", [{3: 1}], indirect=True)
-def test_a_spare_on_another_node_takes_a_lost_nodes_place(job: Job) -> None:
-    spare = WORLD + 3  # node 3's first spare id (WORLD + k * NODES + node)
-    job.store.wait([job.m.key("spare", "n")], datetime.timedelta(seconds=120))
-    job.held()
-    job.c.kill_node(2)  # ranks 4, 5; node 3's agent started the spare
-    job.go()
-    status = job.wait([0, 1, 3])
-    assert status == {0: 0, 1: 0, 3: 0}, {i: job.log(i)[-2000:] for i in status}
-    d = job.decisions()[-1]
-    assert d.joiners == [spare] and sorted(d.lost) == [4, 5] and len(d.members) == WORLD - 1, d
-    assert d.restore == "peer" and [s[0] for s in d.sources] == [spare], d
-    check_survivors(job, d.members, placed=(spare,))
 
 
 @pytest.mark.timeout(300)
@@ -330,9 +280,14 @@ def test_a_lost_capacity_node_takes_its_spares_out_and_a_later_loss_shrinks(capa
     assert LEASE_S - 2.0 < seen < LEASE_S + 3.0, f"reported {seen:.2f} s after the kill"
     assert job.m.epoch() == 0, "a lost spare is no member: nothing to decide"
     job.c.kill_node(2)
+    killed = time.time()
     job.go()
     status = job.wait([0, 1])
     assert status == {0: 0, 1: 0}, {i: job.log(i)[-2000:] for i in status}
     ds = job.decisions()
     assert len(ds) == 2 and (sorted(ds[1].lost), ds[1].joiners, ds[1].members) == ([4, 5], [], [0, 1, 2, 3]), ds
+    gone = job.m.gone([4, 5])
+    assert all(g.kind == "suspect" and g.by == "agent 1" and "lease" in g.detail for g in gone.values()), gone
+    print(f"[nodes] whole-node SIGKILL, no spare left -> decision published: {ds[1].t - killed:.2f} s")
+    assert LEASE_S - 2.0 < ds[1].t - killed < LEASE_S + 3.0, f"decided {ds[1].t - killed:.2f} s after the kill"
     check_survivors(job, [0, 1, 2, 3])

@@ -1,7 +1,9 @@
 """Start N worker processes that share a TCPStore hosted by the caller.
 
-Workers are started with the ``spawn`` method (no fork of a process that already runs
-threads). Each runs ``fn(ctx, *args)`` where ``ctx`` gives its rank, the world size and the
+Workers are forked from a fork server that has already imported torch and resilient_comm
+(``forkserver`` with a preload: a fresh process per worker, never a fork of the caller, which
+runs threads, and without each worker paying the ~1.3 s import of torch again). A worker gets
+the caller's environment as it is when the worker starts, not the server's. Each runs ``fn(ctx, *args)`` where ``ctx`` gives its rank, the world size and the
 shared store; the return value (picklable) or the exception text comes back to the caller.
 The caller can also wait on store keys a worker sets, and kill or stop workers, which is how
 fault tests place a SIGKILL at a precise point without sleeping.
@@ -58,8 +60,26 @@ class WorkerResult:
     elapsed_s: float = 0.0
 
 
-def _entry(fn: Callable[..., Any], ctx: WorkerContext, args: tuple, conn: Any) -> None:
+# Imported once by the fork server, before it forks any worker.
+_PRELOAD = ["torch", "torch.distributed", "resilient_comm", "resilient_comm.testing.harness"]
+
+
+def _context() -> Any:
+    """The fork-server context (its server starts with the first worker and lives as long as
+    the caller). RESILIENT_COMM_TEST_START=spawn starts each worker from scratch instead."""
+    if os.environ.get("RESILIENT_COMM_TEST_START", "forkserver") == "spawn":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _entry(fn: Callable[..., Any], ctx: WorkerContext, args: tuple, conn: Any, env: dict[str, str]) -> None:
     start = time.monotonic()
+    # The fork server's environment is the caller's when it started; the worker's is the
+    # caller's now (a test sets knobs such as RESILIENT_COMM_SHM before it starts workers).
+    os.environ.clear()
+    os.environ.update(env)
     try:
         value = fn(ctx, *args)
         conn.send(WorkerResult(ctx.rank, True, value=value, elapsed_s=time.monotonic() - start))
@@ -143,12 +163,13 @@ def start_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s
     """Start `world_size` workers running fn(ctx, *args); returns at once."""
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, True, timeout=datetime.timedelta(seconds=timeout_s),
                           wait_for_workers=False)
-    ctx_mp = mp.get_context("spawn")
+    ctx_mp = _context()
     w = Workers(world_size, timeout_s, store)
+    env = dict(os.environ)
     for rank in range(world_size):
         parent, child = ctx_mp.Pipe(duplex=False)
         ctx = WorkerContext(rank, world_size, "127.0.0.1", store.port, timeout_s)
-        p = ctx_mp.Process(target=_entry, args=(fn, ctx, args, child), daemon=True)
+        p = ctx_mp.Process(target=_entry, args=(fn, ctx, args, child, env), daemon=True)
         p.start()
         child.close()
         w.procs.append(p)
