@@ -358,6 +358,57 @@ def test_a_slow_record_write_never_holds_up_the_lease_keepalive(etcd: str, monke
         a.stop()
 
 
+@pytest.mark.timeout(60)
+def test_the_events_watch_is_one_stream_and_a_stale_one_is_caught_by_a_read(
+        etcd: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent's events arrive on one long-lived etcd watch stream (`PrefixWatch`): keys put
+    while a wait is on are seen within 0.5 s, five waits in a row use one stream (each wait
+    opened a watch of its own before), and a key put before the stream is found by a read. A
+    stream that goes on without bringing anything (a member cut off sends no reset) is caught
+    by the wait's read every `poll_s`: the key is found, the stream is reopened, and the next
+    key is streamed again. A set `stop` ends a wait within half a second."""
+    from resilient_comm.elastic.etcd import EtcdStore, PrefixWatch
+
+    store = EtcdStore(etcd, datetime.timedelta(seconds=10))
+    ns = "rc/watch/events/"
+    store.set(ns + "0", "before the stream")
+    w = PrefixWatch(store, ns, poll_s=1.0)
+
+    def put_soon(i: int) -> float:
+        threading.Timer(0.2, store.set, (ns + str(i), "x")).start()  # lands while the wait is on
+        return time.monotonic()
+
+    try:
+        assert w.wait_for(ns + "0", 1.0)
+        for i in range(1, 6):
+            t0 = put_soon(i)
+            assert w.wait_for(ns + str(i), 5.0)
+            assert time.monotonic() - t0 < 0.7, "not streamed: found by the wait's read"
+        assert (w.opened, w.missed) == (1, 0)
+
+        monkeypatch.setattr(w, "_chunk", lambda chunk: True)  # the stream brings nothing any more
+        t0 = put_soon(6)
+        assert w.wait_for(ns + "6", 5.0)
+        assert 0.9 < time.monotonic() - t0 < 2.5, "a stale stream's key is found by the read after poll_s"
+        assert w.missed == 1
+        monkeypatch.undo()
+        deadline = time.monotonic() + 5
+        while w.opened < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling the watch's own count of streams
+        assert w.opened == 2, "the stale stream was not reopened"
+        t0 = put_soon(7)
+        assert w.wait_for(ns + "7", 5.0)
+        assert time.monotonic() - t0 < 0.7, "the reopened stream does not bring keys"
+
+        stop = threading.Event()
+        threading.Timer(0.3, stop.set).start()
+        t0 = time.monotonic()
+        assert not w.wait_for(ns + "99", 30.0, stop)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        w.close()
+
+
 @pytest.mark.timeout(30)
 def test_the_events_thread_goes_past_malformed_events(store: dist.TCPStore) -> None:
     """Garbage in an event slot, an event whose evidence is malformed: the agent logs and skips

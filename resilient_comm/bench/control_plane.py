@@ -56,7 +56,7 @@ class CountingStore:
 
     def __getattr__(self, name: str) -> Any:
         fn = getattr(self._s, name)
-        if name == "set_timeout":
+        if name == "set_timeout" or not callable(fn):  # (etcd's `answered_sent_at` is a value)
             return fn
 
         def call(*a: Any, **k: Any) -> Any:
@@ -567,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="auto: as root, run in a private network namespace (see below); no: here")
     a = p.parse_args(argv)
     if a.netns == "auto" and os.geteuid() == 0 and not os.environ.get(_IN_NETNS):
-        return _in_netns(argv or [])
+        return _in_netns(sys.argv[1:] if argv is None else argv)  # run as a module: argv is None
     from resilient_comm.bench.common import machine
 
     ranks = [int(x) for x in a.ranks.split(",")]

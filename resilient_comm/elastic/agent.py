@@ -64,6 +64,7 @@ from typing import Any
 import torch.distributed as dist
 
 from resilient_comm.elastic.detector import WAITING, DetectorConfig, PeerView, silence_why, straggler_why
+from resilient_comm.elastic.etcd import PrefixWatch
 from resilient_comm.elastic.membership import Gone, Membership
 
 log = logging.getLogger("resilient_comm.agent")
@@ -211,6 +212,7 @@ class NodeAgent:
         self._next_event = 0
         self._stop = threading.Event()
         self._events_thread: threading.Thread | None = None
+        self._events_watch: PrefixWatch | None = None  # etcd: the events thread's watch stream
         self._lease_thread: threading.Thread | None = None
         self._fence_thread: threading.Thread | None = None
         self._register, self._unregister = register, unregister
@@ -690,13 +692,22 @@ class NodeAgent:
     def _events_loop(self) -> None:
         # Waits for the next event's key. TCPStore: a wait the store answers when the key is
         # written (no timeout that would log every second; every agent wakes from the poster's
-        # one write). etcd: a watch, bounded so that `stop` is seen.
+        # one write). etcd: one watch stream on the events, open for the agent's life (no
+        # request per wait), each wait bounded so that `stop` is seen.
         m = self.m.clone(timeout=datetime.timedelta(days=1))
-        store: Any = m.store
+        try:
+            self._events(m, watch_events=m.watches)
+        finally:
+            if self._events_watch is not None:
+                self._events_watch.close()
+
+    def _events(self, m: Membership, watch_events: bool) -> None:
         while not self._stop.is_set():
             try:
-                if m.watches:
-                    if not store.wait_for(m.key("events", self._next_event), 1.0, self._stop):
+                if watch_events:
+                    if self._events_watch is None:
+                        self._events_watch = PrefixWatch(m.store, m.key("events", ""))
+                    if not self._events_watch.wait_for(m.key("events", self._next_event), 1.0, self._stop):
                         continue
                 else:
                     m.wait_event(self._next_event)

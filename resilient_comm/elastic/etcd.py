@@ -34,8 +34,12 @@ local single-member etcd for trying things (Debian/Ubuntu: ``apt install etcd-se
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import functools
+import json
+import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +48,7 @@ from typing import Any, TypeVar, cast
 import torch.distributed as dist
 
 T = TypeVar("T")
+log = logging.getLogger("resilient_comm.etcd")
 REQUEST_TIMEOUT_S = 1.0  # one HTTP request to one endpoint; then the next endpoint is tried
 UNREACHABLE_S = 10.0  # how long a call goes on trying the endpoints before the cluster counts as lost
 TXN_OPS = 128  # operations per transaction: etcd's default --max-txn-ops
@@ -300,6 +305,144 @@ class EtcdStore(dist.Store):
         self._put(key, _bytes(value), lease)
 
 
+class PrefixWatch:
+    """One long-lived watch stream on a key prefix, for a thread that waits for keys one after
+    another (a node agent's events): the keys put under the prefix are noted as etcd streams
+    them, so a wait is answered the moment its key lands, with no request per wait.
+
+    `EtcdStore.wait_for` opens a watch for each one-second slice (a new connection, a thread
+    and a stream at the server, every second, per waiter). Here the stream stays open; what
+    guards against a stream that went quiet without an error (its member cut off by a
+    partition, which sends no reset) is TCP keepalive on its socket (a dead peer ends it
+    within ~5 s; it is then opened again on the next endpoint from the last revision seen), the
+    require-leader flag (a member that loses its leader ends its streams), and a read of the
+    awaited key every `poll_s` of waiting (a key the stream missed is found and the stream is
+    reopened: the worst case is `poll_s` late, plus a request timeout where the member is
+    gone). No wait is unbounded: each ends at its timeout."""
+
+    def __init__(self, store: EtcdStore, prefix: str, poll_s: float = 2.0) -> None:
+        self._store = store.clone()  # its own clients: the stream holds one connection
+        self._prefix, self.poll_s = prefix, poll_s
+        self._seen: set[str] = set()
+        self._cond = threading.Condition()
+        self._closed = threading.Event()
+        self._resp: Any = None
+        self.opened = 0  # streams opened (1 while nothing went wrong)
+        self.missed = 0  # keys a read found that the stream had not brought
+        r = self._store._range(prefix, prefix=True, count_only=True)
+        self._rev = int(r["header"]["revision"]) + 1  # keys put before it are read, not streamed
+        self._thread = threading.Thread(target=self._run, name="rc-etcd-watch", daemon=True)
+        self._thread.start()
+
+    def wait_for(self, key: str, timeout_s: float, stop: threading.Event | None = None) -> bool:
+        """Block until `key` exists (True), `timeout_s` passes or `stop` is set (False)."""
+        deadline = time.monotonic() + timeout_s
+        next_read, first = time.monotonic(), True  # read at once: the key may predate the stream
+        while True:
+            with self._cond:
+                if key in self._seen:
+                    return True
+            if time.monotonic() >= next_read:
+                if self._store.value(key)[0] is not None:
+                    with self._cond:
+                        # Found by a read `poll_s` into the wait, not streamed: the stream is stale.
+                        missed = not first and key not in self._seen
+                        self._seen.add(key)
+                    if missed:
+                        self.missed += 1
+                        log.warning("etcd watch of %r: %r was read, not streamed: reopening the stream",
+                                    self._prefix, key)
+                        self._reopen()
+                    return True
+                next_read, first = time.monotonic() + self.poll_s, False
+            if deadline <= time.monotonic() or (stop is not None and stop.is_set()) or self._closed.is_set():
+                return False
+            left = min(deadline, next_read) - time.monotonic()
+            with self._cond:
+                if key not in self._seen:
+                    self._cond.wait(min(max(0.0, left), 0.25))  # (stop is looked at 4 times a second)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._reopen()
+        with self._cond:
+            self._cond.notify_all()
+
+    def _reopen(self) -> None:
+        """End the current stream (its thread opens the next one unless closed)."""
+        resp = self._resp
+        if resp is None:
+            return
+        with contextlib.suppress(Exception):
+            s = socket.fromfd(resp.raw._fp.fileno(), socket.AF_INET, socket.SOCK_STREAM)
+            s.shutdown(socket.SHUT_RDWR)
+            s.close()
+        with contextlib.suppress(Exception):
+            resp.close()
+
+    def _run(self) -> None:
+        k = self._store._current
+        while not self._closed.is_set():
+            c = self._store._clients[k]
+            create = {"key": _b64(self._prefix), "range_end": _b64(_prefix_end(self._prefix)),
+                      "start_revision": str(self._rev)}
+            try:
+                # hasleader (gRPC metadata through the gateway): a member that loses its leader
+                # ends the stream, rather than holding it open with nothing new to send.
+                resp = c.session.post(c.get_url("/watch"), json={"create_request": create}, stream=True,
+                                      timeout=(REQUEST_TIMEOUT_S, None), headers={"Grpc-Metadata-hasleader": "true"})
+                self._resp = resp
+                self.opened += 1
+                _keepalive(resp)
+                if self._closed.is_set():
+                    break
+                for line in resp.iter_lines():
+                    if line.strip() and not self._chunk(json.loads(line)):
+                        break
+            except Exception as e:  # noqa: BLE001 -- any failure of the stream: the next endpoint
+                log.debug("etcd watch of %r on %s:%d ended: %s", self._prefix, *self._store.endpoints[k], e)
+            finally:
+                if self._resp is not None:
+                    with contextlib.suppress(Exception):
+                        self._resp.close()
+            k = (k + 1) % len(self._store._clients)
+            self._closed.wait(0.2)  # between streams: an election, or a member going away
+
+    def _chunk(self, chunk: dict[str, Any]) -> bool:
+        """Note one streamed chunk's keys; False: the stream ended (canceled, compacted, error)."""
+        result = chunk.get("result")
+        if not isinstance(result, dict):
+            return False  # {"error": ...}
+        if result.get("canceled") or result.get("compact_revision"):
+            if result.get("compact_revision"):  # history gone: waiters' reads find the keys
+                self._rev = max(self._rev, int(result["compact_revision"]))
+            return False
+        keys = []
+        for ev in result.get("events") or []:
+            kv = ev.get("kv") or {}
+            self._rev = max(self._rev, int(kv.get("mod_revision", 0)) + 1)
+            if ev.get("type", "PUT") == "PUT":
+                keys.append(_unb64(kv.get("key", "")).decode(errors="replace"))
+        if keys:
+            with self._cond:
+                self._seen.update(keys)
+                self._cond.notify_all()
+        return True
+
+
+def _keepalive(resp: Any) -> None:
+    """TCP keepalive on a watch stream's socket: a member cut off without a reset ends it in ~5 s."""
+    with contextlib.suppress(Exception):
+        s = socket.fromfd(resp.raw._fp.fileno(), socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 2)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+        finally:
+            s.close()  # the duplicate: the stream's own socket stays open
+
+
 def _watch_once(client: Any, key: str, timeout: float, rev: int) -> Any:
     return client.watch_once(key, timeout=timeout, start_revision=rev)
 
@@ -313,4 +456,4 @@ def _prefix_end(prefix: str) -> bytes:
     return b"\0"
 
 
-__all__ = ["EtcdStore", "parse_endpoints"]
+__all__ = ["EtcdStore", "PrefixWatch", "parse_endpoints"]
