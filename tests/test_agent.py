@@ -362,11 +362,11 @@ def test_a_slow_record_write_never_holds_up_the_lease_keepalive(etcd: str, monke
 def test_the_events_watch_is_one_stream_and_a_stale_one_is_caught_by_a_read(
         etcd: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """An agent's events arrive on one long-lived etcd watch stream (`PrefixWatch`): keys put
-    while a wait is on are seen within 0.5 s, five waits in a row use one stream (each wait
+    while a wait is on are seen within 0.5 s of the put, five waits in a row use one stream (each wait
     opened a watch of its own before), and a key put before the stream is found by a read. A
     stream that goes on without bringing anything (a member cut off sends no reset) is caught
     by the wait's read every `poll_s`: the key is found, the stream is reopened, and the next
-    key is streamed again. A set `stop` ends a wait within half a second."""
+    key is streamed again. A set `stop` ends a wait within a second."""
     from resilient_comm.elastic.etcd import EtcdStore, PrefixWatch
 
     store = EtcdStore(etcd, datetime.timedelta(seconds=10))

@@ -696,15 +696,15 @@ class NodeAgent:
         # request per wait), each wait bounded so that `stop` is seen.
         m = self.m.clone(timeout=datetime.timedelta(days=1))
         try:
-            self._events(m, watch_events=m.watches)
+            self._events(m)
         finally:
             if self._events_watch is not None:
                 self._events_watch.close()
 
-    def _events(self, m: Membership, watch_events: bool) -> None:
+    def _events(self, m: Membership) -> None:
         while not self._stop.is_set():
             try:
-                if watch_events:
+                if m.watches:
                     if self._events_watch is None:
                         self._events_watch = PrefixWatch(m.store, m.key("events", ""))
                     if not self._events_watch.wait_for(m.key("events", self._next_event), 1.0, self._stop):

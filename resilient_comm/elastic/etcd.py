@@ -373,10 +373,8 @@ class PrefixWatch:
         resp = self._resp
         if resp is None:
             return
-        with contextlib.suppress(Exception):
-            s = socket.fromfd(resp.raw._fp.fileno(), socket.AF_INET, socket.SOCK_STREAM)
-            s.shutdown(socket.SHUT_RDWR)
-            s.close()
+        with contextlib.suppress(Exception), _stream_socket(resp) as s:
+            s.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked reading the stream
         with contextlib.suppress(Exception):
             resp.close()
 
@@ -430,17 +428,19 @@ class PrefixWatch:
         return True
 
 
+def _stream_socket(resp: Any) -> socket.socket:
+    """A duplicate of a streamed response's socket (closing it leaves the stream's own open;
+    options and shutdown act on the one socket)."""
+    return socket.fromfd(resp.raw._fp.fileno(), socket.AF_INET, socket.SOCK_STREAM)
+
+
 def _keepalive(resp: Any) -> None:
     """TCP keepalive on a watch stream's socket: a member cut off without a reset ends it in ~5 s."""
-    with contextlib.suppress(Exception):
-        s = socket.fromfd(resp.raw._fp.fileno(), socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 2)
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
-        finally:
-            s.close()  # the duplicate: the stream's own socket stays open
+    with contextlib.suppress(Exception), _stream_socket(resp) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 2)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
 
 
 def _watch_once(client: Any, key: str, timeout: float, rev: int) -> Any:
