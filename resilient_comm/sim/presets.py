@@ -14,11 +14,11 @@ Failure rates (GPU-hours between interruptions):
 Recovery times (replace them with ``--recovery-json``):
 
 - in process (``shrink``, ``hot-spare``): detection -- from the failure to the decision every
-  survivor acts on -- is **measured**: 4.41 s, ``resilient-comm bench control-plane``'s silent
+  survivor acts on -- is **measured**: 2.39 s, ``resilient-comm bench control-plane``'s silent
   node (no exit reported: the hardest case) at 16,384 emulated ranks (median of three runs on
-  a 2-core machine the emulation saturates, with a 500 ms node heartbeat: conservative; at
-  4,096 ranks and 200 ms it is 1.38 s; an exit is decided in 3.25 s at 16K, 0.43 s at 4K; a
-  lost node on etcd in ~5.5-7 s, its lease; benchmarks/README.md). The rest is stated: abort 1 s, rebuild 15 s (agreement plus new communicators over
+  a 2-core machine the emulation saturates, with a 300 ms node heartbeat: conservative; at
+  64-4,096 ranks and 200 ms it is 0.99-1.23 s; an exit is decided in 0.67 s at 16K; a lost
+  node on etcd takes its lease and up to a third of it more; benchmarks/README.md). The rest is stated: abort 1 s, rebuild 15 s (agreement plus new communicators over
   thousands of GPUs; the project's CPU target of ≤ 1 s from SIGKILL to the first committed
   step is at 8 ranks, so 15 s allows for NCCL communicator creation at scale), state copy
   10 s (a node's shard of the model and optimizer state, ≈ 400 GB for Llama 3 405B at
@@ -61,7 +61,7 @@ STATED_RECOVERY = RecoveryTimes(
     source="stated (project targets and a torchrun baseline; not measured at scale)",
 )
 
-MEASURED_DETECT_S = 4.41  # bench control-plane, silent node -> decision, 16,384 emulated ranks (2026-12-01)
+MEASURED_DETECT_S = 2.39  # bench control-plane, silent node -> decision, 16,384 emulated ranks (2026-12-03)
 PRESET_RECOVERY = STATED_RECOVERY.replaced({
     "detect_s": MEASURED_DETECT_S,
     "source": "detection measured (bench control-plane: silent node -> decision, 16,384 emulated ranks); "
