@@ -401,12 +401,111 @@ def test_the_events_watch_is_one_stream_and_a_stale_one_is_caught_by_a_read(
         assert time.monotonic() - t0 < 0.7, "the reopened stream does not bring keys"
 
         stop = threading.Event()
-        threading.Timer(0.3, stop.set).start()
+
+        def stop_and_wake() -> None:
+            stop.set()
+            w.wake()
+
+        threading.Timer(0.3, stop_and_wake).start()
         t0 = time.monotonic()
         assert not w.wait_for(ns + "99", 30.0, stop)
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 0.6, "a woken wait did not look at its stop"
     finally:
         w.close()
+
+
+class _SlowProxy:
+    """A TCP proxy in front of etcd that holds every chunk of each answer `delay_s` before
+    passing it on: a cluster that answers, slowly (as 512 agents starting together made it)."""
+
+    def __init__(self, upstream: str, delay_s: float) -> None:
+        host, port = upstream.rsplit(":", 1)
+        self._up, self.delay_s = (host, int(port)), delay_s
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self._server.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self._server.accept()
+            except OSError:
+                return  # closed
+            up = socket.create_connection(self._up)
+            threading.Thread(target=self._pump, args=(c, up, 0.0), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, c, self.delay_s), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, delay_s: float) -> None:
+        try:
+            while data := src.recv(65536):
+                time.sleep(delay_s)  # the injected latency, not a synchronisation
+                dst.sendall(data)
+        except OSError:
+            pass  # the client gave up on the request: its connection is closed
+        finally:
+            for s in (src, dst):
+                s.close()
+
+    def close(self) -> None:
+        self._server.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_slow_etcd_is_waited_for_and_a_refusal_says_why(etcd: str) -> None:
+    """An etcd that answers every request in 1.3 s (more than the first request's 1 s wait):
+    calls succeed, since a request that timed out doubles the next one's wait, and the next
+    call keeps that wait instead of abandoning a request again. (With a fixed 1 s wait every request was abandoned and sent again until
+    the 10 s budget ran out: at 512 emulated agents every lease expired that way.) A refusal
+    carries etcd's own words, not only the HTTP reason."""
+    from resilient_comm.elastic.etcd import EtcdStore
+
+    proxy = _SlowProxy(etcd, 1.3)
+    try:
+        store = EtcdStore(proxy.endpoint, datetime.timedelta(seconds=10))
+        t0 = time.monotonic()
+        store.set("rc/slow/k", "v")  # its first request is abandoned after 1 s, the second waits 2
+        took = time.monotonic() - t0
+        assert 2.2 <= took < 5.0, f"a slow call took {took:.1f} s"
+        t0 = time.monotonic()
+        assert store.value("rc/slow/k")[0] == b"v"  # one round trip
+        took = time.monotonic() - t0
+        assert took < 2.2, f"the next call abandoned a request again ({took:.1f} s): its wait was not kept"
+        with pytest.raises(dist.DistStoreError, match="requested lease not found"):
+            store.put_with_lease("rc/slow/leased", "v", 12345)
+    finally:
+        proxy.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_whose_lease_the_store_dropped_is_fenced_and_stops_renewing(etcd: str) -> None:
+    """The store drops the node's lease (revoked here; expired after a long stall in the
+    field): the agent is fenced within a keepalive period, and its lease thread ends rather
+    than putting the record with a dead lease forever (it logged "no store majority" every
+    third of the lease: the store had answered), and never grants itself a new lease, which
+    would bring back a node the others may have decided without."""
+    from resilient_comm.elastic.etcd import EtcdStore
+
+    store = EtcdStore(etcd, datetime.timedelta(seconds=10))
+    m = Membership(store, "rc/revoked")
+    a = NodeAgent(m, 0, 1, nproc=1, config=CFG, lease_s=3.0)
+    a.add(0, 0)
+    a.hello(0, CFG)
+    try:
+        a.start()
+        _drive([a], lambda s, p: f"{s} 4 compute 1.0 10.0 0.1", lambda: m.node_record(0) is not None, 10)
+        lease = store._range(m.key("node", 0))["kvs"][0]["lease"]
+        store._post("/lease/revoke", {"ID": lease}, "revoke the node's lease")
+        t0 = time.monotonic()
+        _drive([a], lambda s, p: f"{s} 4 compute 1.0 10.0 0.1", lambda: a.fenced is not None, 10)
+        assert time.monotonic() - t0 < 1.5, f"fenced {time.monotonic() - t0:.1f} s after the lease was dropped"
+        assert "lease expired" in (a.fenced or ""), a.fenced
+        assert a._lease_thread is not None
+        a._lease_thread.join(3.0)  # (a third of the lease, and the keepalive thread's end)
+        assert not a._lease_thread.is_alive(), "the lease thread goes on with a dead lease"
+        assert m.node_record(0) is None, "a new lease brought the record back"
+    finally:
+        a.stop()
 
 
 @pytest.mark.timeout(30)

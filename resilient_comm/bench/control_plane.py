@@ -33,6 +33,7 @@ import contextlib
 import datetime
 import heapq
 import json
+import math
 import multiprocessing as mp
 import os
 import sys
@@ -449,11 +450,14 @@ def _run_one(spec: str, spids: list[int], n_ranks: int, per_node: int, procs: in
         assert dec is not None
         expected = {node * per_node + 3} if cmd == "exit" else set(range(node * per_node, (node + 1) * per_node))
         row[f"{label}: false_suspects"] = len(set(dec.lost) - expected)
-        row[f"{label}: informed_s"] = max(heard.values()) - t0
+        if len(told) < live:  # reported, not raised: the other sizes and the table go on
+            _progress(f"{label}: only {len(told)} of {live} live agents were told of the decision within 30 s")
+        row[f"{label}: agents_told"] = len(told)
+        row[f"{label}: informed_s"] = max(heard.values(), default=math.nan) - t0
         row[f"{label}: decision_s"] = published - t0
         row[f"{label}: joined_s"] = times["joined"] - t0  # the last join record written
         row[f"{label}: seen_s"] = times["seen"] - t0  # the decider's poll found them all
-        row[f"{label}: told_s"] = max(told.values()) - t0
+        row[f"{label}: told_s"] = max(told.values(), default=math.nan) - t0
         _progress(f"{label}: every agent heard after {row[f'{label}: informed_s']:.2f} s, the last join "
                   f"{row[f'{label}: joined_s']:.2f} s, seen by the decider {row[f'{label}: seen_s']:.2f} s, decision "
                   f"published {published - t0:.2f} s, every agent told {row[f'{label}: told_s']:.2f} s")

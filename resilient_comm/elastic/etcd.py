@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 T = TypeVar("T")
 log = logging.getLogger("resilient_comm.etcd")
-REQUEST_TIMEOUT_S = 1.0  # one HTTP request to one endpoint; then the next endpoint is tried
+REQUEST_TIMEOUT_S = 1.0  # connecting to one endpoint, and the first wait for its answer; then the next is tried
 UNREACHABLE_S = 10.0  # how long a call goes on trying the endpoints before the cluster counts as lost
 TXN_OPS = 128  # operations per transaction: etcd's default --max-txn-ops
 
@@ -94,7 +94,12 @@ class EtcdStore(dist.Store):
         self.endpoints = parse_endpoints(endpoints) if isinstance(endpoints, str) else list(endpoints)
         self._clients = [etcd3gw.client(host=h, port=p, timeout=REQUEST_TIMEOUT_S, api_path="/v3/")
                          for h, p in self.endpoints]
+        for c in self._clients:
+            # No proxy or ~/.netrc from the environment: the endpoints are the cluster's members,
+            # and requests looks for both on every call (a file lookup per request).
+            c.session.trust_env = False
         self._current = 0
+        self._wait_s = REQUEST_TIMEOUT_S  # how long a request waits for its answer (`_call`)
         self._timeout = timeout
         # When the request that answered the last call was sent (monotonic): a lease that call
         # refreshed lives at least its TTL from then, however long the call spent on endpoints
@@ -112,7 +117,15 @@ class EtcdStore(dist.Store):
     def _call(self, what: str, fn: Callable[[Any], T]) -> T:
         """fn(client) on the current endpoint, moving on to the next one on a connection
         failure, round after round (an election takes a second or two) for at most
-        `UNREACHABLE_S` (or the store's timeout if shorter); then a DistNetworkError."""
+        `UNREACHABLE_S` (or the store's timeout if shorter); then a DistNetworkError.
+
+        A request waits `_wait_s` for its answer: `REQUEST_TIMEOUT_S` at first (a member cut
+        off is left quickly), doubled by each request that times out (up to what is left of
+        the budget: a cluster that is slow, not gone, is waited for), and brought back
+        towards it by answers (three times the latency of the last one, at least
+        `REQUEST_TIMEOUT_S`). With a fixed 1 s wait, 512 agents starting together made etcd
+        answer in over a second; every request was abandoned (and still served) and sent
+        again to the next member, and the load only grew until every lease ran out."""
         from etcd3gw import exceptions
 
         budget = min(UNREACHABLE_S, self._timeout.total_seconds())
@@ -122,17 +135,24 @@ class EtcdStore(dist.Store):
             for i in range(len(self._clients)):
                 k = (self._current + i) % len(self._clients)
                 sent = time.monotonic()
+                client = self._clients[k]
+                wait_s = max(REQUEST_TIMEOUT_S, min(self._wait_s, deadline - sent))
+                client.timeout = (REQUEST_TIMEOUT_S, wait_s)
                 try:
-                    out = fn(self._clients[k])
-                except (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError,
-                        exceptions.InternalServerError) as e:
+                    out = fn(client)
+                except exceptions.ConnectionTimeoutError:
+                    errors.append(f"{self.endpoints[k][0]}:{self.endpoints[k][1]}: no answer in {wait_s:.3g} s")
+                    self._wait_s = min(2 * self._wait_s, UNREACHABLE_S)
+                    continue
+                except (exceptions.ConnectionFailedError, exceptions.InternalServerError) as e:
                     errors.append(f"{self.endpoints[k][0]}:{self.endpoints[k][1]}: {type(e).__name__}")
                     continue
                 except exceptions.WatchTimedOut:
                     raise  # a watch's slice ended: the caller's loop
                 except exceptions.Etcd3Exception as e:  # an answer, and a refusal (an expired lease, ...)
-                    raise dist.DistStoreError(f"etcd refused {what}: {type(e).__name__}: {e}") from e
+                    raise dist.DistStoreError(f"etcd refused {what}: {_refusal(e)}") from e
                 self._current, self.answered_sent_at = k, sent
+                self._wait_s = max(REQUEST_TIMEOUT_S, min(self._wait_s, 3 * (time.monotonic() - sent)))
                 return out
             if time.monotonic() + pause > deadline:
                 raise dist.DistNetworkError(f"etcd unreachable for {what} for {budget:g} s: {'; '.join(errors)}")
@@ -360,7 +380,15 @@ class PrefixWatch:
             left = min(deadline, next_read) - time.monotonic()
             with self._cond:
                 if key not in self._seen:
-                    self._cond.wait(min(max(0.0, left), 0.25))  # (stop is looked at 4 times a second)
+                    # Until the next read or the deadline: `stop` comes with a `wake()`. (Looking
+                    # at it 4 times a second woke 2,048 emulated agents' threads 8,192 times a
+                    # second, and their GIL hand-offs starved the agents' store calls.)
+                    self._cond.wait(max(0.0, left))
+
+    def wake(self) -> None:
+        """Wake a `wait_for` so that it looks at its `stop` (set it first)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def close(self) -> None:
         self._closed.set()
@@ -426,6 +454,17 @@ class PrefixWatch:
                 self._seen.update(keys)
                 self._cond.notify_all()
         return True
+
+
+def _refusal(e: Exception) -> str:
+    """An etcd refusal in words: the gateway's JSON error ("etcdserver: requested lease not
+    found"), not only the HTTP reason ("Not Found")."""
+    text = getattr(e, "detail_text", None)
+    try:
+        detail = json.loads(text)["message"] if text else None
+    except (ValueError, KeyError, TypeError):
+        detail = text[:200] if isinstance(text, str) else None
+    return f"{type(e).__name__}: {e}" + (f" ({detail})" if detail else "")
 
 
 def _stream_socket(resp: Any) -> socket.socket:
