@@ -28,6 +28,7 @@ from resilient_comm.elastic.membership import Gone
 from resilient_comm.elastic.toy import ToyJob
 
 CFG = DetectorConfig(heartbeat_s=0.02, silence_floor_s=0.3, straggler_floor_s=0.3, slow_factor=10.0)
+_BEAT = lambda s, p: f"{s} 4 compute 1.0 10.0 0.1"  # noqa: E731 -- a worker's healthy beat
 
 
 @pytest.fixture
@@ -70,13 +71,13 @@ def test_a_lost_node_is_reported_once_by_its_ring_predecessor(store: dist.TCPSto
     agents = _agents(store, 3)
     m = Membership(store, "rc/a")
     lost: set[int] = set()
-    _drive(agents, lambda s, p: f"{s} 4 compute 1.0 10.0 0.1", lambda: all(
+    _drive(agents, _BEAT, lambda: all(
         m.node_record(n) is not None for n in range(3)), 5)
     rec = json.loads(m.node_record(1) or "")
     assert sorted(rec["procs"]) == ["2", "3"] and rec["procs"]["2"][0].endswith(" 4 compute 1.0 10.0 0.1")
     # Node 2 stops: its agent and its workers (a whole-node SIGKILL, or a partition).
     lost.add(2)
-    took = _drive([a for a in agents if a.node not in lost], lambda s, p: f"{s} 4 compute 1.0 10.0 0.1",
+    took = _drive([a for a in agents if a.node not in lost], _BEAT,
                   lambda: bool(m.gone([4, 5])), 5)
     assert 0.3 <= took < 1.5, f"node 2 reported {took:.2f} s after it stopped (bound 0.3 s)"
     gone = m.gone([0, 1, 2, 3, 4, 5])
@@ -88,7 +89,7 @@ def test_a_lost_node_is_reported_once_by_its_ring_predecessor(store: dist.TCPSto
     assert [Gone(**g) for g in events[0]["gone"]] == [gone[4], gone[5]], "the event carries the evidence"
     # Node 1 now watches node 0: a node whose agent finished is skipped, not suspected.
     agents[0].finish()
-    _drive([agents[1]], lambda s, p: f"{s} 4 compute 1.0 10.0 0.1", lambda: 0 in agents[1].gone_nodes, 5)
+    _drive([agents[1]], _BEAT, lambda: 0 in agents[1].gone_nodes, 5)
     assert agents[1].successor() is None and m.event(1) is None, "a finished node was reported"
 
 
@@ -324,6 +325,17 @@ def test_losing_the_store_in_a_recovery_ends_every_survivor_with_a_clear_error(
         assert "Traceback" not in log, log[-3000:]
 
 
+def _etcd_agent(endpoint: str, ns: str, lease_s: float) -> tuple[Membership, NodeAgent]:
+    """One node's agent, with one worker, on etcd (not started)."""
+    from resilient_comm.elastic.etcd import EtcdStore
+
+    m = Membership(EtcdStore(endpoint, datetime.timedelta(seconds=10)), ns)
+    a = NodeAgent(m, 0, 1, nproc=1, config=CFG, lease_s=lease_s)
+    a.add(0, 0)
+    a.hello(0, CFG)
+    return m, a
+
+
 @pytest.mark.timeout(60)
 def test_a_slow_record_write_never_holds_up_the_lease_keepalive(etcd: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """During an etcd election a record's put can take seconds. The keepalive must not wait
@@ -342,16 +354,12 @@ def test_a_slow_record_write_never_holds_up_the_lease_keepalive(etcd: str, monke
             time.sleep(3.0)  # the record thread stuck in a store call (the thing simulated)
 
     monkeypatch.setattr(EtcdStore, "put_with_lease", slow_put)
-    store = EtcdStore(etcd, datetime.timedelta(seconds=10))
-    m = Membership(store, "rc/k")
-    a = NodeAgent(m, 0, 1, nproc=1, config=CFG, lease_s=2.0)
-    a.add(0, 0)
-    a.hello(0, CFG)
+    m, a = _etcd_agent(etcd, "rc/k", 2.0)
     try:
         a.start()
-        _drive([a], lambda s, p: f"{s} 4 compute 1.0 10.0 0.1", lambda: calls[0] >= 2, 10)
+        _drive([a], _BEAT, lambda: calls[0] >= 2, 10)
         t0 = time.monotonic()
-        _drive([a], lambda s, p: f"{s} 4 compute 1.0 10.0 0.1", lambda: time.monotonic() - t0 > 4.0, 10)
+        _drive([a], _BEAT, lambda: time.monotonic() - t0 > 4.0, 10)
         assert a.fenced is None, a.fenced
         assert m.node_record(0) is not None, "the lease expired: the record is gone"
     finally:
@@ -484,20 +492,15 @@ def test_an_agent_whose_lease_the_store_dropped_is_fenced_and_stops_renewing(etc
     than putting the record with a dead lease forever (it logged "no store majority" every
     third of the lease: the store had answered), and never grants itself a new lease, which
     would bring back a node the others may have decided without."""
-    from resilient_comm.elastic.etcd import EtcdStore
-
-    store = EtcdStore(etcd, datetime.timedelta(seconds=10))
-    m = Membership(store, "rc/revoked")
-    a = NodeAgent(m, 0, 1, nproc=1, config=CFG, lease_s=3.0)
-    a.add(0, 0)
-    a.hello(0, CFG)
+    m, a = _etcd_agent(etcd, "rc/revoked", 3.0)
+    store: Any = m.store
     try:
         a.start()
-        _drive([a], lambda s, p: f"{s} 4 compute 1.0 10.0 0.1", lambda: m.node_record(0) is not None, 10)
+        _drive([a], _BEAT, lambda: m.node_record(0) is not None, 10)
         lease = store._range(m.key("node", 0))["kvs"][0]["lease"]
         store._post("/lease/revoke", {"ID": lease}, "revoke the node's lease")
         t0 = time.monotonic()
-        _drive([a], lambda s, p: f"{s} 4 compute 1.0 10.0 0.1", lambda: a.fenced is not None, 10)
+        _drive([a], _BEAT, lambda: a.fenced is not None, 10)
         assert time.monotonic() - t0 < 1.5, f"fenced {time.monotonic() - t0:.1f} s after the lease was dropped"
         assert "lease expired" in (a.fenced or ""), a.fenced
         assert a._lease_thread is not None
