@@ -110,9 +110,11 @@ def _driver(spec: str, nodes: list[int], nnodes: int, per_node: int, hb_s: float
     class BenchAgent(NodeAgent):
         beats: list[float]
         events_m: Membership
+        recorded: threading.Event  # its first record is made (on etcd: its lease granted)
 
         def record(self) -> str:  # made once per node heartbeat
             self.beats.append(time.monotonic())
+            self.recorded.set()
             return super().record()
 
         def broadcast(self, line: str) -> None:  # what the workers of this node would hear
@@ -159,7 +161,7 @@ def _driver(spec: str, nodes: list[int], nnodes: int, per_node: int, hb_s: float
     beat_due: dict[int, float] = {}
     for n in nodes:
         a = BenchAgent(conns.pop(), n, nnodes, nproc=per_node, config=cfg, node_heartbeat=hb_s)
-        a.beats = []
+        a.beats, a.recorded = [], threading.Event()
         a.events_m = conns.pop()
         for r in range(n * per_node, (n + 1) * per_node):
             a.add(r, 0)
@@ -167,6 +169,13 @@ def _driver(spec: str, nodes: list[int], nnodes: int, per_node: int, hb_s: float
         a.start()
         agents[n] = a
         beat_due[n] = 0.0
+        if a.lease_s:
+            # etcd: the next agent starts once this one has its lease and first record. All
+            # at once, 1,024 agents' first requests (~8 each) queued behind each other on 2
+            # cores for longer than the lease, and nodes were fenced before they had started:
+            # a harness limit (real agents each have a host), so the starts are paced by the
+            # store's own answers.
+            a.recorded.wait(a.lease_s)
     if 0 in agents:
         Membership(agents[0].m.store, KEY).start(
             Decision(0, list(range(world)), Mesh(dp=world).as_dict(), "init", 0))
@@ -415,16 +424,26 @@ def _run_one(spec: str, spids: list[int], n_ranks: int, per_node: int, procs: in
         "drivers_cpu": sum(r["cpu_s"] for r in res) / max(r["seconds"] for r in res),
     }
     # A worker's exit (rank 8k+3 of the middle node), then a whole node going silent.
+    import torch.distributed as dist
+
     from resilient_comm.elastic.membership import Membership, connect
 
     client = connect(spec, datetime.timedelta(seconds=60))
     m = Membership(client, KEY)
-    for label, epoch, node, cmd in (("exit", 1, nnodes // 2, "exit"), ("silent node", 2, max(1, nnodes // 4),
-                                                                       "silence")):
+    faults = (("exit", 1, nnodes // 2, "exit"), ("silent node", 2, max(1, nnodes // 4), "silence"))
+    for i, (label, epoch, node, cmd) in enumerate(faults):
         pipe = pipes[owner[node]]
         pipe.send((cmd, node * per_node + 3 if cmd == "exit" else node))
         t0 = pipe.recv()
-        client.wait([f"{KEY}/published/{epoch}"], datetime.timedelta(seconds=60))
+        try:
+            client.wait([f"{KEY}/published/{epoch}"], datetime.timedelta(seconds=60))
+        except dist.DistError as e:  # reported, not raised: the other sizes and the table go on
+            _progress(f"{label}: no decision published within 60 s ({e}): this size's remaining faults are skipped")
+            for skipped, *_ in faults[i:]:
+                row.update({f"{skipped}: {k}": math.nan for k in ("agents_told", "informed_s", "decision_s",
+                                                                 "joined_s", "seen_s", "told_s")})
+                row[f"{skipped}: false_suspects"] = 0
+            break
         times = json.loads(client.get(f"{KEY}/published/{epoch}"))
         published = times["published"]
         deadline = time.monotonic() + 30
