@@ -259,38 +259,6 @@ def test_a_node_that_is_not_present_is_never_watched_and_the_ring_goes_round_it(
     assert agents[1].successor() == 0 and agents[1].ring() == {0, 1}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def etcd_proc(tmp_path: Any) -> Any:
-    """A one-member etcd on loopback (Debian's etcd-server): (endpoint, process)."""
-    import shutil
-
-    from resilient_comm.testing.cluster import etcd_command, wait_etcd
-
-    if shutil.which("etcd") is None:
-        pytest.skip("needs the etcd binary (Debian: apt install etcd-server)")
-    client, peer = _free_port(), _free_port()
-    proc = subprocess.Popen(etcd_command(0, {0: ("127.0.0.1", client, peer)}, str(tmp_path / "etcd"), "rc-agent-test"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_etcd(f"127.0.0.1:{client}", 30)
-        yield f"127.0.0.1:{client}", proc
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-@pytest.fixture
-def etcd(etcd_proc: tuple[str, Any]) -> str:
-    """A one-member etcd on loopback; its endpoint."""
-    return etcd_proc[0]
-
-
 @pytest.mark.timeout(120)
 def test_losing_the_store_in_a_recovery_ends_every_survivor_with_a_clear_error(
         etcd_proc: tuple[str, Any], tmp_path: Any) -> None:
@@ -374,7 +342,8 @@ def test_the_events_watch_is_one_stream_and_a_stale_one_is_caught_by_a_read(
     opened a watch of its own before), and a key put before the stream is found by a read. A
     stream that goes on without bringing anything (a member cut off sends no reset) is caught
     by the wait's read every `poll_s`: the key is found, the stream is reopened, and the next
-    key is streamed again. A set `stop` ends a wait within a second."""
+    key is streamed again. A set `stop` ends a wait within a second. The value a key was put
+    with comes with it (`value`: an agent reads no event it was streamed)."""
     from resilient_comm.elastic.etcd import EtcdStore, PrefixWatch
 
     store = EtcdStore(etcd, datetime.timedelta(seconds=10))
@@ -387,12 +356,13 @@ def test_the_events_watch_is_one_stream_and_a_stale_one_is_caught_by_a_read(
         return time.monotonic()
 
     try:
-        assert w.wait_for(ns + "0", 1.0)
+        assert w.wait_for(ns + "0", 1.0) and w.value(ns + "0") == b"before the stream"
         for i in range(1, 6):
             t0 = put_soon(i)
             assert w.wait_for(ns + str(i), 5.0)
             assert time.monotonic() - t0 < 0.7, "not streamed: found by the wait's read"
-        assert (w.opened, w.missed) == (1, 0)
+            assert w.value(ns + str(i)) == b"x", "the streamed value is kept: the waiter reads nothing"
+        assert (w.opened, w.missed) == (1, 0) and w.value(ns + "9") is None
 
         monkeypatch.setattr(w, "_chunk", lambda chunk: True)  # the stream brings nothing any more
         t0 = put_soon(6)

@@ -729,7 +729,10 @@ class NodeAgent:
                     return
                 # One event per wake-up: the wait for the next one answers at once if it is
                 # there (a check first would cost every node one more round trip per event).
-                if (ev := m.event(self._next_event)) is not None:
+                # On etcd the watch brought the event's value: no request at all.
+                watch = self._events_watch
+                streamed = watch.value(m.key("events", self._next_event)) if watch is not None else None
+                if (ev := m.event(self._next_event, streamed)) is not None:
                     self._next_event += 1
                     self._forward(m, ev)
                     if ev.get("kind") == "finished":

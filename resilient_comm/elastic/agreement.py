@@ -1,7 +1,8 @@
 """Agreeing on an epoch's membership: what the `Controller` and `restartable` share.
 
-A member that recovers (`catch_up`) proposes the next epoch, reads the decisions of the
-epochs it missed (leaving with `Evicted` if one of them left it out) and joins; then
+A member that recovers (`catch_up`) proposes the next epoch and joins it (one request on
+etcd), or, where the epoch has moved on, reads the decisions of the epochs it missed (leaving
+with `Evicted` if one of them left it out) and then joins; then
 (`await_decision`) the *decider* -- the lowest live member of the previous decision -- waits
 for every live member's join and publishes the decision (`decide_epoch`), while the others
 wait for the agent's news of it (or of a death that makes them the decider). Every wait is
@@ -30,13 +31,17 @@ class RecoveryError(RuntimeError):
     recovery made no progress."""
 
 
-def catch_up(m: Membership, rank: int, applied: int, base: Decision) -> tuple[int, Decision]:
-    """Propose the epoch after `applied` and return (the current epoch, the decision of the one
-    before it). `Evicted` if `rank` was reported gone or a decision it missed left it out."""
+def catch_up(m: Membership, rank: int, applied: int, base: Decision, record: JoinRecord) -> tuple[int, Decision]:
+    """Propose the epoch after `applied`, join the current epoch with `record`, and return
+    (the current epoch, the decision of the one before it). `Evicted` if `rank` was reported
+    gone or a decision it missed left it out (then it has not joined). The usual case -- the
+    current epoch is the one proposed -- is one round trip on etcd (`Membership.propose_join`)."""
     me = m.gone([rank])
     if me:
         raise Evicted(f"rank {rank} was reported gone: {me[rank].detail}")
-    current = m.propose(applied)
+    current = m.propose_join(applied, [record])
+    if current == applied + 1:
+        return current, base
     for e in range(applied + 1, current):
         d = m.decision(e)
         if d is None:
@@ -44,6 +49,7 @@ def catch_up(m: Membership, rank: int, applied: int, base: Decision) -> tuple[in
         if rank not in d.members:
             raise Evicted(f"rank {rank} was evicted in epoch {e} (lost {d.lost}, evicted {d.evicted})")
         base = d
+    m.join(current, record)
     return current, base
 
 

@@ -506,9 +506,9 @@ class Controller(Evidence):
 
     def _agree(self, deadline: float) -> tuple[Decision, Decision]:
         """Join the current epoch and return (the previous epoch's decision, its decision)."""
-        current, base = catch_up(self._m, self.rank, self.applied_epoch, self._decision)
         pending = self._pending[0] if self._pending else None
-        self._m.join(current, JoinRecord(self.rank, self.applied_epoch, self._ready, self.committed, pending, now()))
+        current, base = catch_up(self._m, self.rank, self.applied_epoch, self._decision,
+                                 JoinRecord(self.rank, self.applied_epoch, self._ready, self.committed, pending, now()))
         self._emit("recovery.joined", epoch=current)
         with self._lock:
             self._watching = set(base.members)

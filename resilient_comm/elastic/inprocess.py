@@ -199,8 +199,8 @@ class Restarter(Evidence):
         tl.mark("aborted")
         deadline = time.monotonic() + self._timeout.total_seconds()
         try:
-            current, base = catch_up(self._m, self.rank, self.applied_epoch, self._decision)
-            self._m.join(current, JoinRecord(self.rank, self.applied_epoch, False, -1, None, now()))
+            current, base = catch_up(self._m, self.rank, self.applied_epoch, self._decision,
+                                     JoinRecord(self.rank, self.applied_epoch, False, -1, None, now()))
             with self._lock:
                 self._watching = set(base.members)
             d = await_decision(self._m, self._detector, self.rank, current, base, deadline,

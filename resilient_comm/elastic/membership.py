@@ -10,6 +10,8 @@ launcher generation)::
     {ns}/e/{E}/decision         epoch E's decision (JSON), written once, by compare-and-set
     {ns}/e/{E}/joins/{g}        the join records for epoch E of ranks JOIN_GROUP*g .. JOIN_GROUP*g+7,
                                 each appended by its rank (one key per node's worth of ranks)
+    {ns}/e/{E}/join/{rank}      on etcd instead (`Membership.ranged`): each rank's join record a
+                                key of its own, one put; the decider counts and reads the prefix
     {ns}/e/{E}/world/           store prefix of epoch E's world group when it is built afresh
     {ns}/gone/{rank}            the first evidence that rank is gone (exit or suspicion), by CAS
     {ns}/events/{i}             the i-th event (ranks gone, a decision, the end, a node joining the
@@ -79,6 +81,7 @@ _MIN_WAIT_S = 0.005  # a chunk's wait, at least (one that is there answers at on
 # not a whole entry (a stray writer's) cost no other entry.
 JOIN_GROUP = 8
 _ENTRY, _END = "\x1e", "\x1f"
+_JOINS_WITH_PROPOSAL = 64  # join records put in the proposal's transaction (etcd allows 128 operations)
 _ENTRY_RE = re.compile("\x1e([^\x1e\x1f]*)\x1f")
 
 
@@ -340,7 +343,8 @@ class Membership:
 
     def decision(self, epoch: int) -> Decision | None:
         k = self.key("e", epoch, "decision")
-        return self._decision(k, self.store.get(k)) if self.store.check([k]) else None
+        v = self._maybe(k)
+        return None if v is None else self._decision(k, v)
 
     def decide(self, decision: Decision) -> Decision:
         """Publish `decision` unless one exists; returns the one that holds."""
@@ -355,12 +359,51 @@ class Membership:
         except ValueError as e:
             raise dist.DistStoreError(f"the decision at {key!r} is malformed: {e}") from e
 
+    @property
+    def ranged(self) -> bool:
+        """Whether the store reads every key under a prefix in one request (etcd): each rank's
+        join record is then a key of its own, written with one put (not an append's read and
+        compare-and-set, retried while a node's eight workers race on one key), and the
+        decider counts the prefix while it waits and reads it once."""
+        return bool(getattr(self.store, "reads_prefixes", False))
+
+    def propose_join(self, applied: int, records: list[JoinRecord]) -> int:
+        """`propose(applied)`, and `records` joined to epoch applied+1 if that is then the
+        current epoch (on etcd in the same request: every member's first round trip after a
+        failure does both). Returns the current epoch; a later one (a decision was missed)
+        is not joined: the caller catches up, then joins it."""
+        k = self.key("epoch")
+        if not self.ranged or not records:
+            current = self.propose(applied)
+            if current == applied + 1 and records:
+                self.join_many(current, records)
+            return current
+        head, rest = records[:_JOINS_WITH_PROPOSAL], records[_JOINS_WITH_PROPOSAL:]
+        value, joined = cast(Any, self.store).advance(k, str(applied), str(applied + 1),
+                                                      self._join_puts(applied + 1, head))
+        if joined and rest:
+            self.join_many(applied + 1, rest)
+        return _epoch(k, value)
+
     def join(self, epoch: int, record: JoinRecord) -> None:
         self.join_many(epoch, [record])
 
+    def _join_puts(self, epoch: int, records: list[JoinRecord]) -> list[tuple[str, str]]:
+        """On a `ranged` store: each record's (key, sealed value)."""
+        out = []
+        for rec in records:
+            k = self._join_mac_key(epoch, rec.rank)
+            out.append((k, self._seal(k, rec.to_entry())))
+        return out
+
     def join_many(self, epoch: int, records: list[JoinRecord]) -> None:
         """Append each record to its group's key: one call per group (a benchmark's emulated
-        workers of a node join in one call, with the bytes each would append)."""
+        workers of a node join in one call, with the bytes each would append); on a `ranged`
+        store, put each record's own key (one transaction)."""
+        if self.ranged:
+            puts = self._join_puts(epoch, records)
+            self.store.multi_set([k for k, _ in puts], [v for _, v in puts])
+            return
         entries: dict[int, list[str]] = {}
         for rec in records:
             sealed = self._seal(self._join_mac_key(epoch, rec.rank), rec.to_entry())
@@ -383,6 +426,14 @@ class Membership:
         is read again every 5 ms within `wait_s`. On etcd a check (the caller paces its
         polls)."""
         end = time.monotonic() + wait_s
+        if self.ranged:  # etcd: a count of the records while some are missing, then one read
+            if cast(Any, self.store).count(self.key("e", epoch, "join") + "/") < len(live):
+                return None
+            joined = self.joined(epoch, live)
+            if any(r not in joined for r in live):
+                return None
+            alive = set(live)
+            return joined, self.gone([r for r in base if r not in alive])
         keys = [self.key("e", epoch, "joins", g) for g in sorted({r // JOIN_GROUP for r in live})]
         if wait_s > 0 and not self.watches:
             try:
@@ -406,19 +457,29 @@ class Membership:
         last). An entry that is malformed, not sealed for its rank, or in another rank's group
         is logged and counts as not there: that rank's own entry still counts when it lands.
         `there`: every group's key is known to exist (read without a check first)."""
-        groups = sorted({r // JOIN_GROUP for r in ranks})
-        keys = [self.key("e", epoch, "joins", g) for g in groups]
-        got = (dict(zip(groups, [v for part in _chunks(keys) for v in self.store.multi_get(part)])) if there
-               else self._present(keys, groups))
         bodies: list[str] = []  # the entries as written
-        owner: list[int] = []  # the group of each
-        for g, v in got.items():
-            text = v.decode(errors="replace")
-            found = _ENTRY_RE.findall(text)
-            if len(found) != text.count(_ENTRY):
-                _warn_malformed(self.key("e", epoch, "joins", g), "join entry", ValueError("not a whole entry"))
-            bodies += found
-            owner += [g] * len(found)
+        owner: list[tuple[str, int]] = []  # the key of each, and the rank (ranged) or group it must be of
+        if self.ranged:
+            prefix = self.key("e", epoch, "join") + "/"
+            for key, v in cast(Any, self.store).items(prefix):
+                name = key[len(prefix):]
+                if not name.isdigit() or len(name) > 9:
+                    _warn_malformed(key, "join record", ValueError("not a rank's key"))
+                    continue
+                bodies.append(v.decode(errors="replace"))
+                owner.append((key, int(name)))
+        else:
+            groups = sorted({r // JOIN_GROUP for r in ranks})
+            keys = [self.key("e", epoch, "joins", g) for g in groups]
+            got = (dict(zip(groups, [v for part in _chunks(keys) for v in self.store.multi_get(part)])) if there
+                   else self._present(keys, groups))
+            for g, v in got.items():
+                text = v.decode(errors="replace")
+                found = _ENTRY_RE.findall(text)
+                if len(found) != text.count(_ENTRY):
+                    _warn_malformed(self.key("e", epoch, "joins", g), "join entry", ValueError("not a whole entry"))
+                bodies += found
+                owner += [(self.key("e", epoch, "joins", g), g)] * len(found)
         all_text = ",".join(bodies)
         texts = [b.rpartition(_MAC)[0] or b for b in bodies] if _MAC in all_text else bodies
         # One parse for all (at 16K members, one per record costs the decider ~0.3 s); only if
@@ -430,15 +491,16 @@ class Membership:
         if len(parsed) != len(bodies):
             parsed = [None] * len(bodies)
         want, out = set(ranks), {}
-        for g, body, text, d in zip(owner, bodies, texts, parsed):
+        ranged = self.ranged
+        for (key, g), body, text, d in zip(owner, bodies, texts, parsed):
             try:
                 rec = JoinRecord.from_entry(d if d is not None else json.loads(text))
-                if rec.rank // JOIN_GROUP != g:
-                    raise ValueError(f"rank {rec.rank} is not of this group")
+                if (rec.rank if ranged else rec.rank // JOIN_GROUP) != g:
+                    raise ValueError(f"rank {rec.rank} is not of this {'key' if ranged else 'group'}")
                 if self._token:
                     self._open(self._join_mac_key(epoch, rec.rank), body)
             except ValueError as e:
-                _warn_malformed(self.key("e", epoch, "joins", g), "join entry", e)
+                _warn_malformed(key, "join entry", e)
                 continue
             if rec.rank in want:
                 out[rec.rank] = rec
@@ -504,20 +566,28 @@ class Membership:
         leases), not a c10d TCPStore (whose waits block until the key lands)."""
         return bool(getattr(self.store, "watches_keys", False))
 
-    def event(self, i: int) -> dict[str, Any] | None:
+    def event(self, i: int, value: bytes | None = None) -> dict[str, Any] | None:
         """The i-th event, None if there is none yet; a malformed one reads as kind
-        "malformed" (logged), so that readers go past it."""
+        "malformed" (logged), so that readers go past it. `value`: the slot's value as a
+        watch brought it (not read again)."""
         k = self.key("events", i)
-        if not self.store.check([k]):
+        if value is None and (value := self._maybe(k)) is None:
             return None
         try:
-            ev = json.loads(self._open(k, self._read(k)))
+            ev = json.loads(self._open(k, value))
             if not isinstance(ev, dict) or not isinstance(ev.get("kind"), str):
                 raise ValueError("not a JSON object with a kind")  # noqa: TRY004
             return ev
         except ValueError as e:
             _warn_malformed(k, "event", e)
             return {"kind": "malformed", "detail": str(e)}
+
+    def _maybe(self, key: str) -> bytes | None:
+        """The key's value, None if it is missing: one request on etcd, a check and a read on
+        a TCPStore."""
+        if self.ranged:
+            return cast(Any, self.store).value(key)[0]
+        return self._read(key) if self.store.check([key]) else None
 
     def _read(self, key: str) -> bytes:
         """The value of a key that exists, in one round trip on a TCPStore: a compare_set

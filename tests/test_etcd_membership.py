@@ -1,0 +1,129 @@
+"""The membership's layout on etcd (`Membership.ranged`), against a real one-member etcd: a
+recovering member proposes the next epoch and joins it in one request, each join record is a
+key of its own, and the decider counts the records while some are missing and reads them
+once, in pages. Every request is counted at the HTTP layer (`EtcdStore._post`)."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Any
+
+import pytest
+
+from resilient_comm.elastic.agreement import Evicted, catch_up
+from resilient_comm.elastic.membership import Decision, Gone, JoinRecord, Membership
+from resilient_comm.elastic.policy import Mesh
+
+
+def _requests(store: Any) -> list[str]:
+    """The paths of the HTTP requests `store` sends from now on."""
+    sent: list[str] = []
+    post = store._post
+
+    def counted(path: str, payload: dict[str, Any], what: str) -> dict[str, Any]:
+        sent.append(path)
+        return post(path, payload, what)
+
+    store._post = counted
+    return sent
+
+
+def _member(etcd: str, ns: str = "rc/m", token: str = "") -> tuple[Membership, list[str]]:
+    from resilient_comm.elastic.etcd import EtcdStore
+
+    store = EtcdStore(etcd, datetime.timedelta(seconds=10))
+    return Membership(store, ns, token=token), _requests(store)
+
+
+def _decision(epoch: int, members: list[int]) -> Decision:
+    return Decision(epoch, members, Mesh(dp=len(members)).as_dict(), "init" if epoch == 0 else "shrink", 0)
+
+
+@pytest.mark.timeout(60)
+def test_a_recovering_member_proposes_and_joins_in_one_request(etcd: str) -> None:
+    """Before, a member's first round trips after a failure were a compare-and-set of the
+    epoch, then an append to its group's key (a read and a compare-and-set, again while the
+    node's other workers raced on that key): three requests or more per rank, 16K ranks at
+    once. Now one, whoever proposes first; a member whose epoch is stale is not joined to an
+    epoch it has not caught up with."""
+    a, sent_a = _member(etcd)
+    b, sent_b = _member(etcd)
+    a.start(_decision(0, [0, 1, 2, 3]))
+    r0, r1 = JoinRecord(0, 0, True, 5, None, 1.0), JoinRecord(1, 0, True, 5, 6, 2.0)
+    sent_a.clear()
+    assert a.propose_join(0, [r0]) == 1 and sent_a == ["/kv/txn"], f"the proposer sent {sent_a}"
+    assert b.propose_join(0, [r1]) == 1 and sent_b == ["/kv/txn"], f"a later proposer sent {sent_b}"
+    assert a.joined(1, [0, 1, 2]) == {0: r0, 1: r1}
+    keys = [k for k, _ in a.store.items("rc/m/e/1/")]  # type: ignore[attr-defined]
+    assert keys == ["rc/m/e/1/join/0", "rc/m/e/1/join/1"], keys
+
+    assert b.propose(1) == 2, "epoch 2 proposed (epoch 1 decided meanwhile)"
+    late = JoinRecord(2, 0, True, 4, None, 3.0)
+    assert a.propose_join(0, [late]) == 2, "a stale proposer learns the current epoch"
+    assert 2 not in a.joined(1, [2]) and a.joined(2, [2]) == {}, "and has joined neither epoch"
+
+    # catch_up joins the current epoch only after the missed decisions are read: a rank a
+    # missed decision left out is evicted without a join record.
+    a.decide(_decision(1, [0, 1, 3]))
+    c, _ = _member(etcd)
+    with pytest.raises(Evicted, match="rank 2 was evicted in epoch 1"):
+        catch_up(c, 2, 0, _decision(0, [0, 1, 2, 3]), late)
+    assert c.joined(2, [2]) == {}
+    current, base = catch_up(c, 3, 0, _decision(0, [0, 1, 2, 3]), JoinRecord(3, 0, True, 5, None, 4.0))
+    assert (current, base.members) == (2, [0, 1, 3]) and c.joined(2, [3])[3].committed == 5
+
+
+@pytest.mark.timeout(120)
+def test_the_decider_counts_the_records_while_some_are_missing_then_reads_them_in_pages(
+        etcd: str, caplog: pytest.LogCaptureFixture) -> None:
+    """5,000 members (two pages of 4,096): while one live member's record is missing the
+    decider's poll is one count (no values sent); once all are there, one read in pages.
+    A stray key under the prefix, and a record under another rank's key, are logged and
+    ignored; the rank's own record counts when it lands. With the job token, a record
+    without its seal does not count."""
+    n = 5000
+    m, sent = _member(etcd, "rc/d", token="job-secret")
+    for at in range(0, n - 1, 100):
+        m.join_many(1, [JoinRecord(r, 0, True, 10, None, 1.0) for r in range(at, min(at + 100, n - 1))])
+    m.report_gone(Gone(n, "exit", "killed", 1.0, "launcher"))
+    base, live = list(range(n + 1)), list(range(n))
+    sent.clear()
+    assert m.complete(1, base, live) is None, "rank 4999 has not joined"
+    assert sent == ["/kv/range"], f"a poll with a record missing sent {sent}"
+
+    m.store.set("rc/d/e/1/join/x", b"garbage")  # a stray key: counted, not parsed as a rank's
+    forged = Membership(m.store, "rc/d", token="")  # no token: writes unsealed records
+    forged.store.set("rc/d/e/1/join/4999", forged._seal("rc/d/e/1/join/4999", JoinRecord(4999, 0, True, 99, None).to_entry()))
+    with caplog.at_level(logging.WARNING, logger="resilient_comm.membership"):
+        assert m.complete(1, base, live) is None, "an unsealed record must not count"
+    assert "'rc/d/e/1/join/x'" in caplog.text and "'rc/d/e/1/join/4999'" in caplog.text, caplog.text
+
+    m.join(1, JoinRecord(4998, 0, True, 11, None, 2.0))  # a rank joining again: its last record counts
+    m.store.set("rc/d/e/1/join/4999", m._seal("rc/d/e/1/join/4999", JoinRecord(4998, 0, True, 99, None).to_entry()))
+    assert m.complete(1, base, live) is None, "a record under another rank's key does not count"
+    m.join(1, JoinRecord(4999, 0, True, 10, None, 3.0))
+    sent.clear()
+    got = m.complete(1, base, live)
+    assert got is not None
+    joined, gone = got
+    assert len(joined) == n and joined[4998].committed == 11 and joined[4999].t == 3.0 and list(gone) == [n]
+    assert sent.count("/kv/range") == 3 and len(sent) <= 5, f"the decider's read sent {sent}"
+
+
+@pytest.mark.timeout(60)
+def test_an_event_or_a_decision_is_read_in_one_request_and_a_streamed_event_in_none(etcd: str) -> None:
+    """On etcd a `get` was a watch's read, then the read (2 requests), and an event or a
+    decision a check first (3): every node's agent read each event so, 6,000 requests per
+    event at 16K ranks. Now a read is one request, and an event whose value a watch streamed
+    is not read at all."""
+    m, sent = _member(etcd, "rc/e")
+    m.start(_decision(0, [0, 1]))
+    m.post_event({"kind": "finished"})
+    sent.clear()
+    assert m.event(0) == {"kind": "finished"} and m.event(1) is None
+    assert m.decision(0) is not None and m.decision(1) is None
+    assert m.store.get("rc/e/epoch") == b"0"
+    assert sent == ["/kv/range"] * 5, sent
+    sent.clear()
+    assert m.event(0, b'{"kind": "finished"}') == {"kind": "finished"} and sent == []
