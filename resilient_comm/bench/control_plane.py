@@ -151,14 +151,14 @@ def _driver(spec: str, nodes: list[int], nnodes: int, per_node: int, hb_s: float
                 with lock:
                     decider.send(("decide", epoch, applied))
 
-    def connect(_: object = None) -> Membership:
-        store = membership.connect(spec, datetime.timedelta(seconds=120))
+    def connect(i: int) -> Membership:
+        store = membership.connect(_own_member_first(spec, nodes[i // 2]), datetime.timedelta(seconds=120))
         return Membership(cast(Any, CountingStore(store, counter)), KEY)
 
     # Connections are opened in parallel: on a resolver that drops queries, one c10d
     # connection in ~20 stalls 5 s in a reverse lookup of its peer (docs/elastic.md).
     with ThreadPoolExecutor(64) as pool:
-        conns = list(pool.map(connect, range(2 * len(nodes))))
+        conns = list(pool.map(connect, range(2 * len(nodes))))[::-1]  # (popped: node order)
     agents: dict[int, BenchAgent] = {}
     beat_due: dict[int, float] = {}
     for n in nodes:
@@ -236,6 +236,17 @@ def _driver(spec: str, nodes: list[int], nnodes: int, per_node: int, hb_s: float
         wait = min(due[0][0] - time.monotonic() if due else 0.01, 0.01)
         if wait > 0:
             time.sleep(wait)  # pacing the emulated workers' beats
+
+
+def _own_member_first(spec: str, node: int) -> str:
+    """etcd: node `node`'s endpoints with member node % 3 first, as each node of a cluster
+    lists its own (or nearest) member first; every client on member 0 would have one member
+    answer every request while the others only replicate. A TCPStore's spec as it is."""
+    if not spec.startswith("etcd://"):
+        return spec
+    eps = spec.removeprefix("etcd://").split(",")
+    k = node % len(eps)
+    return "etcd://" + ",".join(eps[k:] + eps[:k])
 
 
 def _decider(spec: str, conn: Any) -> None:

@@ -51,6 +51,7 @@ import functools
 import json
 import logging
 import os
+import random
 import shutil
 import socket
 import struct
@@ -85,6 +86,12 @@ def _knob_s(name: str, least_ms: float) -> float:
     if not ms >= least_ms or not ms > 0:
         raise ValueError(f"{name} must be at least {least_ms:g} ms and positive, got {value!r}")
     return ms / 1e3
+
+
+def _jittered(period: float) -> float:
+    """`period` less up to a fifth at random: after a stall (an election, a burst of requests)
+    every agent's next call would otherwise be due at the same moment, and stay in step."""
+    return period * random.uniform(0.8, 1.0)
 
 
 def node_heartbeat_s() -> float:
@@ -658,7 +665,7 @@ class NodeAgent:
                     self._fence(f"node {self.node}'s lease expired on the store (its record was refused: {e})")
                     break  # a new lease would bring back a node the others may have decided without
                 log.warning("node %d: no store majority for %.1f s (%s)", self.node, time.monotonic() - self._last_ok, e)
-            self._stop.wait(max(0.0, period - (time.monotonic() - t0)))
+            self._stop.wait(max(0.0, _jittered(period) - (time.monotonic() - t0)))
         if keeper is not None:
             keeper.join()
 
@@ -699,7 +706,7 @@ class NodeAgent:
             except dist.DistError as e:
                 log.warning("node %d: lease keepalive: no store majority for %.1f s (%s)", self.node,
                             time.monotonic() - self._last_ok, e)
-            self._stop.wait(max(0.0, period - (time.monotonic() - t0)))
+            self._stop.wait(max(0.0, _jittered(period) - (time.monotonic() - t0)))
 
     def _events_loop(self) -> None:
         # Waits for the next event's key. TCPStore: a wait the store answers when the key is

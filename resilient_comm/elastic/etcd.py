@@ -5,8 +5,10 @@
 etcd (Raft-replicated; leases, watches, transactions) goes on while a majority of its
 members is up, so losing any one node -- node 0 included -- does not take the membership
 down, as it would with the TCPStore that node 0's ``resilient-run`` hosts. `EtcdStore` speaks
-etcd's v3 JSON gateway through the maintained `etcd3gw` client and gives the c10d `Store`
-semantics the membership and the transports' bootstrap rely on:
+etcd's v3 JSON gateway -- its unary requests over one kept-alive HTTP/1.1 connection per
+member (the standard library's ``http.client``; `_Endpoint`), its watches through the
+maintained `etcd3gw` client -- and gives the c10d `Store` semantics the membership and the
+transports' bootstrap rely on:
 
 - ``set``/``get``/``check``/``multi_get``/``delete_key``/``num_keys``: puts and linearizable
   ranges (a member cut off from the majority cannot answer: the client tries the next
@@ -37,8 +39,10 @@ import base64
 import contextlib
 import datetime
 import functools
+import http.client
 import json
 import logging
+import random
 import socket
 import threading
 import time
@@ -93,8 +97,9 @@ class EtcdStore(dist.Store):
         import etcd3gw
 
         self.endpoints = parse_endpoints(endpoints) if isinstance(endpoints, str) else list(endpoints)
+        self._http = [_Endpoint(h, p) for h, p in self.endpoints]  # the unary requests
         self._clients = [etcd3gw.client(host=h, port=p, timeout=REQUEST_TIMEOUT_S, api_path="/v3/")
-                         for h, p in self.endpoints]
+                         for h, p in self.endpoints]  # the watches
         for c in self._clients:
             # No proxy or ~/.netrc from the environment: the endpoints are the cluster's members,
             # and requests looks for both on every call (a file lookup per request).
@@ -115,10 +120,11 @@ class EtcdStore(dist.Store):
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self._timeout = timeout
 
-    def _call(self, what: str, fn: Callable[[Any], T]) -> T:
-        """fn(client) on the current endpoint, moving on to the next one on a connection
-        failure, round after round (an election takes a second or two) for at most
-        `UNREACHABLE_S` (or the store's timeout if shorter); then a DistNetworkError.
+    def _call(self, what: str, fn: Callable[[int, float], T], unary: bool = True) -> T:
+        """fn(endpoint index, seconds to wait for the answer) on the current endpoint, moving
+        on to the next one on a connection failure, round after round (an election takes a
+        second or two) for at most `UNREACHABLE_S` (or the store's timeout if shorter); then
+        a DistNetworkError.
 
         A request waits `_wait_s` for its answer: `REQUEST_TIMEOUT_S` at first (a member cut
         off is left quickly), doubled by each request that times out (up to what is left of
@@ -126,7 +132,13 @@ class EtcdStore(dist.Store):
         towards it by answers (three times the latency of the last one, at least
         `REQUEST_TIMEOUT_S`). With a fixed 1 s wait, 512 agents starting together made etcd
         answer in over a second; every request was abandoned (and still served) and sent
-        again to the next member, and the load only grew until every lease ran out."""
+        again to the next member, and the load only grew until every lease ran out. And it
+        waits at least three times the slowest answer any store of this process had in the
+        last seconds (`_SLOWEST`; `unary`: a watch's answer is its slice, not a latency): a
+        thread that sends one request every few seconds learns from the others that the
+        cluster is slow, rather than sending its request three times (a burst of 1,024 nodes'
+        requests at 8,192 emulated ranks was sent again and again until nothing was answered).
+        Only answers raise it: a member cut off, which answers nothing, is left after 1 s."""
         from etcd3gw import exceptions
 
         budget = min(UNREACHABLE_S, self._timeout.total_seconds())
@@ -136,11 +148,9 @@ class EtcdStore(dist.Store):
             for i in range(len(self._clients)):
                 k = (self._current + i) % len(self._clients)
                 sent = time.monotonic()
-                client = self._clients[k]
-                wait_s = max(REQUEST_TIMEOUT_S, min(self._wait_s, deadline - sent))
-                client.timeout = (REQUEST_TIMEOUT_S, wait_s)
+                wait_s = max(REQUEST_TIMEOUT_S, min(max(self._wait_s, 3 * _SLOWEST.recent(sent)), deadline - sent))
                 try:
-                    out = fn(client)
+                    out = fn(k, wait_s)
                 except exceptions.ConnectionTimeoutError:
                     errors.append(f"{self.endpoints[k][0]}:{self.endpoints[k][1]}: no answer in {wait_s:.3g} s")
                     self._wait_s = min(2 * self._wait_s, UNREACHABLE_S)
@@ -153,7 +163,10 @@ class EtcdStore(dist.Store):
                 except exceptions.Etcd3Exception as e:  # an answer, and a refusal (an expired lease, ...)
                     raise dist.DistStoreError(f"etcd refused {what}: {_refusal(e)}") from e
                 self._current, self.answered_sent_at = k, sent
-                self._wait_s = max(REQUEST_TIMEOUT_S, min(self._wait_s, 3 * (time.monotonic() - sent)))
+                took = time.monotonic() - sent
+                self._wait_s = max(REQUEST_TIMEOUT_S, min(self._wait_s, 3 * took))
+                if unary:
+                    _SLOWEST.note(sent, took)
                 return out
             if time.monotonic() + pause > deadline:
                 raise dist.DistNetworkError(f"etcd unreachable for {what} for {budget:g} s: {'; '.join(errors)}")
@@ -161,7 +174,13 @@ class EtcdStore(dist.Store):
             pause = min(0.5, pause * 2)
 
     def _post(self, path: str, payload: dict[str, Any], what: str) -> dict[str, Any]:
-        return self._call(what, lambda c: c.post(c.get_url(path), json=payload))
+        body = json.dumps(payload, separators=(",", ":")).encode()
+        return self._call(what, lambda k, wait_s: self._http[k].post(path, body, wait_s))
+
+    def close(self) -> None:
+        """Close the connections (a store dropped without this closes them when collected)."""
+        for e in self._http:
+            e.close()
 
     def _range(self, key: str, prefix: bool = False, count_only: bool = False) -> dict[str, Any]:
         payload: dict[str, Any] = {"key": _b64(key)}
@@ -354,9 +373,15 @@ class EtcdStore(dist.Store):
                 return False
             slice_s = min(left, 1.0)  # re-check the stop flag (and the endpoint) every second
             try:
-                self._call(f"watch {key!r}", functools.partial(_watch_once, key=key, timeout=slice_s, rev=rev + 1))
+                self._call(f"watch {key!r}", functools.partial(self._watch_once, key=key, timeout=slice_s, rev=rev + 1),
+                           unary=False)
             except exceptions.WatchTimedOut:
                 pass
+
+    def _watch_once(self, k: int, wait_s: float, key: str, timeout: float, rev: int) -> Any:
+        client = self._clients[k]
+        client.timeout = (REQUEST_TIMEOUT_S, wait_s)
+        return client.watch_once(key, timeout=timeout, start_revision=rev)
 
     def queue_push(self, key: str, value: str | bytes) -> None:
         raise NotImplementedError("EtcdStore has no queues: the membership waits for event keys by watch")
@@ -376,6 +401,101 @@ class EtcdStore(dist.Store):
         self._put(key, _bytes(value), lease)
 
 
+class _Slowest:
+    """The slowest answer of the last `window_s` seconds among this process's stores (per
+    one-second bucket, so an old peak ages out)."""
+
+    def __init__(self, window_s: int = 5) -> None:
+        self._window = window_s
+        self._peaks: dict[int, float] = {}
+        self._lock = threading.Lock()
+
+    def note(self, t: float, took: float) -> None:
+        second = int(t)
+        with self._lock:
+            if took > self._peaks.get(second, 0.0):
+                self._peaks[second] = took
+                if len(self._peaks) > 2 * self._window:
+                    for old in [b for b in self._peaks if b <= second - self._window]:
+                        del self._peaks[old]
+
+    def recent(self, t: float) -> float:
+        since = int(t) - self._window
+        with self._lock:
+            return max((v for b, v in self._peaks.items() if b > since), default=0.0)
+
+
+_SLOWEST = _Slowest()
+
+
+class _Endpoint:
+    """One member's JSON gateway for unary requests, over one kept-alive HTTP/1.1 connection
+    (``http.client``). A request costs the client about 0.2 ms of CPU on the 2-core test
+    machine, where `requests` (under etcd3gw) spent 0.9 ms on its session's machinery
+    (cookies, proxies, hooks, URL parsing): 1,024 emulated nodes' clients on 2 cores ran out of
+    CPU on that, and on a training host it is CPU taken from the job. Failures are etcd3gw's
+    exceptions, as `EtcdStore._call` expects: no connection (ConnectionFailedError), no answer
+    in time (ConnectionTimeoutError; the connection is dropped, so a late answer is never read
+    as the next request's), an HTTP error status (its class by code, etcd's JSON message as
+    its detail)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self._conn: http.client.HTTPConnection | None = None
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def post(self, path: str, body: bytes, wait_s: float) -> dict[str, Any]:
+        from etcd3gw import exceptions
+
+        for attempt in range(2):
+            kept = self._conn is not None  # a kept-alive connection the member may have closed
+            if self._conn is None:
+                self._conn = http.client.HTTPConnection(self.host, self.port, timeout=REQUEST_TIMEOUT_S)
+                try:
+                    self._conn.connect()
+                except TimeoutError as e:
+                    self.close()
+                    raise exceptions.ConnectionTimeoutError(f"connecting: {e}") from e
+                except OSError as e:
+                    self.close()
+                    raise exceptions.ConnectionFailedError(f"connecting: {e}") from e
+            conn = self._conn
+            try:
+                cast(socket.socket, conn.sock).settimeout(wait_s)
+                conn.request("POST", "/v3" + path, body, {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                data = resp.read()
+            except TimeoutError as e:
+                self.close()
+                raise exceptions.ConnectionTimeoutError(f"no answer in {wait_s:.3g} s") from e
+            except (http.client.HTTPException, OSError) as e:
+                self.close()
+                if kept and attempt == 0:
+                    continue  # the member closed the idle connection: once more on a new one
+                raise exceptions.ConnectionFailedError(f"{type(e).__name__}: {e}") from e
+            if resp.will_close:
+                self.close()
+            if resp.status != 200:
+                text = data.decode(errors="replace")
+                raise _http_errors().get(resp.status, exceptions.Etcd3Exception)(text, resp.reason)
+            return cast(dict[str, Any], json.loads(data))
+        raise AssertionError("unreachable")
+
+
+@functools.cache
+def _http_errors() -> dict[int, type[Exception]]:
+    """etcd3gw's exception for an HTTP status (what its own client raises)."""
+    from etcd3gw import exceptions
+
+    return {500: exceptions.InternalServerError, 503: exceptions.ConnectionFailedError,
+            408: exceptions.ConnectionTimeoutError, 504: exceptions.ConnectionTimeoutError,
+            412: exceptions.PreconditionFailedError}
+
+
 class PrefixWatch:
     """One long-lived watch stream on a key prefix, for a thread that waits for keys one after
     another (a node agent's events): the keys put under the prefix are noted as etcd streams
@@ -387,9 +507,13 @@ class PrefixWatch:
     partition, which sends no reset) is TCP keepalive on its socket (a dead peer ends it
     within ~5 s; it is then opened again on the next endpoint from the last revision seen), the
     require-leader flag (a member that loses its leader ends its streams), and a read of the
-    awaited key every `poll_s` of waiting (a key the stream missed is found and the stream is
-    reopened: the worst case is `poll_s` late, plus a request timeout where the member is
-    gone). No wait is unbounded: each ends at its timeout."""
+    awaited key every `poll_s` of waiting (a key the stream missed is found, and the waiter goes
+    on: the worst case is `poll_s` late, plus a request timeout where the member is gone). The
+    stream is then reopened if it is stale: it went past the key's revision without it, or it
+    has not reached that revision by the next read. A stream that is merely behind (its
+    thread not yet scheduled, the member slow to send) is left open: under load, reopening
+    1,024 agents' streams at once was more load. No wait is unbounded: each ends at its
+    timeout."""
 
     def __init__(self, store: EtcdStore, prefix: str, poll_s: float = 2.0) -> None:
         self._store = store.clone()  # its own clients: the stream holds one connection
@@ -399,33 +523,41 @@ class PrefixWatch:
         self._closed = threading.Event()
         self._resp: Any = None
         self.opened = 0  # streams opened (1 while nothing went wrong)
-        self.missed = 0  # keys a read found that the stream had not brought
-        r = self._store._range(prefix, prefix=True, count_only=True)
-        self._rev = int(r["header"]["revision"]) + 1  # keys put before it are read, not streamed
+        self.missed = 0  # times a read found a key that a stale stream had not brought
+        self._behind: tuple[int, float] | None = None  # (a read key's revision not yet streamed, when)
+        # What is there already, read at the revision the stream starts after: every key is
+        # then either here or streamed, and a wait sends no request (every agent read the
+        # next event's key when it began to wait: 1,024 requests right after each event).
+        r = self._store._range(prefix, prefix=True)
+        self._seen.update((_unb64(kv["key"]).decode(errors="replace"), _unb64(kv.get("value", "")))
+                          for kv in r.get("kvs") or [])
+        self._rev = int(r["header"]["revision"]) + 1
         self._thread = threading.Thread(target=self._run, name="rc-etcd-watch", daemon=True)
         self._thread.start()
 
     def wait_for(self, key: str, timeout_s: float, stop: threading.Event | None = None) -> bool:
         """Block until `key` exists (True), `timeout_s` passes or `stop` is set (False)."""
         deadline = time.monotonic() + timeout_s
-        next_read, first = time.monotonic(), True  # read at once: the key may predate the stream
+        next_read = time.monotonic() + self._poll_in()
         while True:
             with self._cond:
                 if key in self._seen:
                     return True
             if time.monotonic() >= next_read:
-                if (found := self._store.value(key)[0]) is not None:
+                self._stale_after(time.monotonic())
+                kvs = self._store._range(key).get("kvs") or []
+                if kvs:
                     with self._cond:
-                        # Found by a read `poll_s` into the wait, not streamed: the stream is stale.
-                        missed = not first and key not in self._seen
-                        self._seen.setdefault(key, found)
-                    if missed:
-                        self.missed += 1
-                        log.warning("etcd watch of %r: %r was read, not streamed: reopening the stream",
-                                    self._prefix, key)
-                        self._reopen()
+                        fresh = key not in self._seen  # read `poll_s` into the wait, not streamed
+                        self._seen.setdefault(key, _unb64(kvs[0].get("value", "")))
+                        rev = int(kvs[0].get("mod_revision", 0))
+                        if fresh and rev < self._rev:
+                            fresh = False
+                            self._stale(f"{key!r} was read, and the stream went past it")
+                        elif fresh and self._behind is None:
+                            self._behind = (rev, time.monotonic())  # stale if still not there in poll_s
                     return True
-                next_read, first = time.monotonic() + self.poll_s, False
+                next_read = time.monotonic() + self._poll_in()
             if deadline <= time.monotonic() or (stop is not None and stop.is_set()) or self._closed.is_set():
                 return False
             left = min(deadline, next_read) - time.monotonic()
@@ -435,6 +567,24 @@ class PrefixWatch:
                     # at it 4 times a second woke 2,048 emulated agents' threads 8,192 times a
                     # second, and their GIL hand-offs starved the agents' store calls.)
                     self._cond.wait(max(0.0, left))
+
+    def _poll_in(self) -> float:
+        """The next backstop read's delay: `poll_s`, less up to a fifth at random (every agent
+        begins its wait at the same event: their reads would stay in step)."""
+        return self.poll_s * random.uniform(0.8, 1.0)
+
+    def _stale_after(self, t: float) -> None:
+        with self._cond:
+            # (At the next backstop read: 0.8-1 `poll_s` later.)
+            if self._behind is not None and self._rev <= self._behind[0] and t - self._behind[1] >= self.poll_s / 2:
+                self._stale(f"it has not reached revision {self._behind[0]} in {t - self._behind[1]:.1f} s")
+
+    def _stale(self, why: str) -> None:
+        """(Under `_cond`.) Count and log a stale stream, and reopen it."""
+        self._behind = None
+        self.missed += 1
+        log.warning("etcd watch of %r is stale (%s): reopening the stream", self._prefix, why)
+        self._reopen()
 
     def value(self, key: str) -> bytes | None:
         """The value `key` was put with, as streamed (or read by a wait): the waiter needs no
@@ -506,8 +656,10 @@ class PrefixWatch:
             self._rev = max(self._rev, int(kv.get("mod_revision", 0)) + 1)
             if ev.get("type", "PUT") == "PUT":
                 puts[_unb64(kv.get("key", "")).decode(errors="replace")] = _unb64(kv.get("value", ""))
-        if puts:
-            with self._cond:
+        with self._cond:
+            if self._behind is not None and self._rev > self._behind[0]:
+                self._behind = None  # it was behind, not stale
+            if puts:
                 self._seen.update(puts)
                 self._cond.notify_all()
         return True
@@ -539,8 +691,6 @@ def _keepalive(resp: Any) -> None:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
 
 
-def _watch_once(client: Any, key: str, timeout: float, rev: int) -> Any:
-    return client.watch_once(key, timeout=timeout, start_revision=rev)
 
 
 def _prefix_end(prefix: str) -> bytes:
