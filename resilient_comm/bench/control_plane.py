@@ -269,6 +269,8 @@ def _decider(spec: str, conn: Any) -> None:
         while m.decision(epoch) is None:
             while conn.poll():
                 more = conn.recv()
+                if more is None:
+                    return  # the bench is over (this epoch was never complete)
                 assert more[0] == "gone", more
                 known |= set(more[1])
             live = [r for r in base.members if r not in known]
@@ -341,10 +343,31 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+def bench_lease_ms(nodes: int) -> int:
+    """The node lease the etcd emulation uses for `nodes` nodes unless told one: the 5 s
+    default up to 128 nodes, then 40 ms per node (20 s at 512, 41 s at 1,024, 82 s at 2,048).
+    A harness limit, not a recommendation: each agent's steady load is about 24 requests per
+    lease, and this 2-core machine, which runs the 3 etcd members and every agent, sustains
+    about 600 requests a second of it (at 1,024 nodes with 5 s leases, 4,900 a second fenced
+    nodes before they started); on a cluster each agent has a host and etcd members have theirs."""
+    return max(5000, 1000 * round(0.040 * nodes))
+
+
 def run_one(n_ranks: int, per_node: int, procs: int, seconds: float, baseline_max: int,
-            hb_s: float = 0.2, worker_hb_s: float = 1.0, store: str = "tcp", boost: bool = True) -> dict[str, Any]:
+            hb_s: float = 0.2, worker_hb_s: float = 1.0, store: str = "tcp", boost: bool = True,
+            lease_ms: int | None = None) -> dict[str, Any]:
+    """One size. `lease_ms` (etcd): the node lease, `bench_lease_ms` if None and
+    RESILIENT_COMM_NODE_LEASE_MS is not set (the agents are spawned with it in their
+    environment)."""
     with contextlib.ExitStack() as stack:
         if store == "etcd":
+            knob = "RESILIENT_COMM_NODE_LEASE_MS"
+            if lease_ms is None and not os.environ.get(knob):
+                lease_ms = bench_lease_ms(n_ranks // per_node)
+            if lease_ms is not None:
+                stack.callback(lambda old=os.environ.get(knob): os.environ.__setitem__(knob, old) if old is not None
+                               else os.environ.pop(knob, None))
+                os.environ[knob] = str(lease_ms)
             spec, spids = stack.enter_context(_etcd())
         else:
             spec, spids = stack.enter_context(_tcpstore())
@@ -459,7 +482,9 @@ def _run_one(spec: str, spids: list[int], n_ranks: int, per_node: int, procs: in
     for i, (label, epoch, node, cmd) in enumerate(faults):
         try:
             t0 = _ask(pipes[owner[node]], (cmd, node * per_node + 3 if cmd == "exit" else node))
-            client.wait([f"{KEY}/published/{epoch}"], datetime.timedelta(seconds=60))
+            # (A silent node is found at its lease's expiry: up to 4/3 of the lease on etcd.)
+            limit_s = 60 + (4 / 3 * node_lease_s() if etcd and cmd == "silence" else 0)
+            client.wait([f"{KEY}/published/{epoch}"], datetime.timedelta(seconds=limit_s))
             times = json.loads(client.get(f"{KEY}/published/{epoch}"))
             deadline = time.monotonic() + 30
             while True:  # every live agent has the decision's event
@@ -473,7 +498,7 @@ def _run_one(spec: str, spids: list[int], n_ranks: int, per_node: int, procs: in
                     break
                 time.sleep(0.05)  # polling the drivers' logs of received events
         except (dist.DistError, TimeoutError) as e:  # reported, not raised: the other sizes and the table go on
-            _progress(f"{label}: no decision published and told within 60 s ({e}): this size's remaining "
+            _progress(f"{label}: no decision published and told in time ({e}): this size's remaining "
                       "faults are skipped")
             for skipped, *_ in faults[i:]:
                 row.update({f"{skipped}: {k}": math.nan for k in ("agents_told", "informed_s", "decision_s",
@@ -608,8 +633,12 @@ def main(argv: list[str] | None = None) -> int:
                         "what is measured, and the emulation must fit thousands of agents on this machine)")
     p.add_argument("--store", choices=("tcp", "etcd"), default="tcp",
                    help="tcp: one TCPStore (the single-node default); etcd: a 3-member etcd cluster on loopback "
-                        "(node liveness is then a lease: RESILIENT_COMM_NODE_LEASE_MS, its record rewritten every "
-                        "third of it; --node-heartbeat-ms does not apply)")
+                        "(node liveness is then a lease, its record rewritten every third of it; --node-heartbeat-ms "
+                        "does not apply)")
+    p.add_argument("--lease-ms", type=int, default=None,
+                   help="etcd: the node lease (default: RESILIENT_COMM_NODE_LEASE_MS if set, else 5000 up to 128 "
+                        "nodes and 40 ms per node above: what this 2-core emulation of every agent and etcd member "
+                        "sustains; see bench_lease_ms)")
     p.add_argument("--flat-priority", action="store_true",
                    help="run the store and the decider at the emulated agents' CPU priority (default, as root: "
                         "nice -10, as if on hosts of their own)")
@@ -630,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in ranks:
         t0 = time.monotonic()
         rows.append(run_one(n, a.per_node, a.procs, a.seconds, a.baseline_max, a.node_heartbeat_ms / 1e3,
-                            a.worker_heartbeat_ms / 1e3, a.store, not a.flat_priority))
+                            a.worker_heartbeat_ms / 1e3, a.store, not a.flat_priority, a.lease_ms))
         print(f"  {n} ranks done in {time.monotonic() - t0:.0f} s", flush=True)
     head = (f"{'ranks':>6} {'nodes':>5} {'hb ms':>5} {'ops/s/node':>10} {'ops/beat':>8} {'store cpu':>9} "
             f"{'beat p50/p99 ms':>15} {'agents cpu':>10} {'MB/node':>7} {'exit->dec s':>11} {'silent->dec s':>13} {'false':>5} "

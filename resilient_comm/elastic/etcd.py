@@ -56,6 +56,12 @@ log = logging.getLogger("resilient_comm.etcd")
 REQUEST_TIMEOUT_S = 1.0  # connecting to one endpoint, and the first wait for its answer; then the next is tried
 UNREACHABLE_S = 10.0  # how long a call goes on trying the endpoints before the cluster counts as lost
 TXN_OPS = 128  # operations per transaction: etcd's default --max-txn-ops
+# Unary requests one process has in flight to one member, at most; the others wait their turn
+# in the process, where their answer's wait has not begun. A node's agent has a few; a burst
+# of 2,048 emulated nodes' requests (256 per driver process) queued at etcd instead, longer
+# than their 1 s wait: each was abandoned and sent again to the next member, and etcd served
+# every copy.
+INFLIGHT_PER_MEMBER = 16
 
 
 def _b64(data: str | bytes) -> str:
@@ -163,6 +169,8 @@ class EtcdStore(dist.Store):
                 except exceptions.Etcd3Exception as e:  # an answer, and a refusal (an expired lease, ...)
                     raise dist.DistStoreError(f"etcd refused {what}: {_refusal(e)}") from e
                 self._current, self.answered_sent_at = k, sent
+                if unary:  # (its latency from when it left this process, not from its turn's wait)
+                    sent = self._http[k].sent_at
                 took = time.monotonic() - sent
                 self._wait_s = max(REQUEST_TIMEOUT_S, min(self._wait_s, 3 * took))
                 if unary:
@@ -442,6 +450,8 @@ class _Endpoint:
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
         self._conn: http.client.HTTPConnection | None = None
+        self._turn = _turns(host, port)
+        self.sent_at = 0.0  # when the last request left (after its turn came)
 
     def close(self) -> None:
         if self._conn is not None:
@@ -449,6 +459,21 @@ class _Endpoint:
             self._conn = None
 
     def post(self, path: str, body: bytes, wait_s: float) -> dict[str, Any]:
+        """The answer to one request: sent once one of the process's `INFLIGHT_PER_MEMBER`
+        turns at this member is free (waiting for one at most `UNREACHABLE_S`), then waited
+        for `wait_s`."""
+        from etcd3gw import exceptions
+
+        if not self._turn.acquire(timeout=UNREACHABLE_S):
+            raise exceptions.ConnectionTimeoutError(f"no turn in {UNREACHABLE_S:g} s: "
+                                                    f"{INFLIGHT_PER_MEMBER} requests of this process in flight")
+        try:
+            self.sent_at = time.monotonic()
+            return self._post(path, body, wait_s)
+        finally:
+            self._turn.release()
+
+    def _post(self, path: str, body: bytes, wait_s: float) -> dict[str, Any]:
         from etcd3gw import exceptions
 
         for attempt in range(2):
@@ -484,6 +509,12 @@ class _Endpoint:
                 raise _http_errors().get(resp.status, exceptions.Etcd3Exception)(text, resp.reason)
             return cast(dict[str, Any], json.loads(data))
         raise AssertionError("unreachable")
+
+
+@functools.cache
+def _turns(host: str, port: int) -> threading.BoundedSemaphore:
+    """This process's turns at one member (`INFLIGHT_PER_MEMBER`)."""
+    return threading.BoundedSemaphore(INFLIGHT_PER_MEMBER)
 
 
 @functools.cache
