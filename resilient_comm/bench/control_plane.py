@@ -128,6 +128,10 @@ def _driver(spec: str, nodes: list[int], nnodes: int, per_node: int, hb_s: float
                 if ev.get("kind") != "gone":
                     return
                 received.append((self.node, "gone", state["applied"] + 1, t))
+                watch = self._events_watch
+                at = watch.streamed_at.get(self.m.key("events", self._next_event - 1)) if watch else None
+                if at is not None:  # (etcd: when its watch stream brought the event, for RC_BENCH_DEBUG)
+                    received.append((self.node, "streamed", state["applied"] + 1, at))
                 state["gone"] |= {int(r) for r in ev["ranks"]}
                 applied, gone = state["applied"], set(state["gone"])
                 if decider is not None and self.node == 0:
@@ -508,6 +512,10 @@ def _run_one(spec: str, spids: list[int], n_ranks: int, per_node: int, procs: in
         published = times["published"]
         if os.environ.get("RC_BENCH_DEBUG"):
             late = sorted(heard.items(), key=lambda x: -x[1])[:6]
+            streamed = sorted(t - t0 for n, k, e, t in got if k == "streamed" and e == epoch)
+            if streamed:
+                print(f"  streamed: {len(streamed)} agents' watches brought the event, p50 "
+                      f"{streamed[len(streamed) // 2]:.2f} s, max {streamed[-1]:.2f} s", flush=True)
             print("  latest heard:", [(n, round(t - t0, 2), owner[n]) for n, t in late],
                   "p50", round(sorted(heard.values())[len(heard) // 2] - t0, 2), flush=True)
             for i in range(len(pipes)):

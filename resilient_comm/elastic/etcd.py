@@ -550,6 +550,7 @@ class PrefixWatch:
         self._store = store.clone()  # its own clients: the stream holds one connection
         self._prefix, self.poll_s = prefix, poll_s
         self._seen: dict[str, bytes] = {}  # key -> the value it was put with (streamed or read)
+        self.streamed_at: dict[str, float] = {}  # key -> when its put was streamed (wall clock)
         self._cond = threading.Condition()
         self._closed = threading.Event()
         self._resp: Any = None
@@ -692,6 +693,8 @@ class PrefixWatch:
                 self._behind = None  # it was behind, not stale
             if puts:
                 self._seen.update(puts)
+                now = time.time()
+                self.streamed_at.update((k, now) for k in puts)
                 self._cond.notify_all()
         return True
 
