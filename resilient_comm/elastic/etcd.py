@@ -155,8 +155,13 @@ class EtcdStore(dist.Store):
                 k = (self._current + i) % len(self._clients)
                 sent = time.monotonic()
                 wait_s = max(REQUEST_TIMEOUT_S, min(max(self._wait_s, 3 * _SLOWEST.recent(sent)), deadline - sent))
+                ep = self._http[k]
+                ep.queued_s = 0.0
                 try:
-                    out = fn(k, wait_s)
+                    try:
+                        out = fn(k, wait_s)
+                    finally:
+                        deadline += ep.queued_s  # a wait for this process's turn says nothing of the cluster
                 except exceptions.ConnectionTimeoutError:
                     errors.append(f"{self.endpoints[k][0]}:{self.endpoints[k][1]}: no answer in {wait_s:.3g} s")
                     self._wait_s = min(2 * self._wait_s, UNREACHABLE_S)
@@ -183,7 +188,8 @@ class EtcdStore(dist.Store):
 
     def _post(self, path: str, payload: dict[str, Any], what: str) -> dict[str, Any]:
         body = json.dumps(payload, separators=(",", ":")).encode()
-        return self._call(what, lambda k, wait_s: self._http[k].post(path, body, wait_s))
+        turn_s = self._timeout.total_seconds()
+        return self._call(what, lambda k, wait_s: self._http[k].post(path, body, wait_s, turn_s))
 
     def close(self) -> None:
         """Close the connections (a store dropped without this closes them when collected)."""
@@ -452,23 +458,28 @@ class _Endpoint:
         self._conn: http.client.HTTPConnection | None = None
         self._turn = _turns(host, port)
         self.sent_at = 0.0  # when the last request left (after its turn came)
+        self.queued_s = 0.0  # how long the last request waited for its turn
 
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
 
-    def post(self, path: str, body: bytes, wait_s: float) -> dict[str, Any]:
+    def post(self, path: str, body: bytes, wait_s: float, turn_s: float) -> dict[str, Any]:
         """The answer to one request: sent once one of the process's `INFLIGHT_PER_MEMBER`
-        turns at this member is free (waiting for one at most `UNREACHABLE_S`), then waited
-        for `wait_s`."""
+        turns at this member is free (waiting for one at most `turn_s`: the store's timeout,
+        not the unreachable budget, which the caller extends by this wait), then waited for
+        `wait_s`."""
         from etcd3gw import exceptions
 
-        if not self._turn.acquire(timeout=UNREACHABLE_S):
-            raise exceptions.ConnectionTimeoutError(f"no turn in {UNREACHABLE_S:g} s: "
+        t0 = time.monotonic()
+        got = self._turn.acquire(timeout=turn_s)
+        self.sent_at = time.monotonic()
+        self.queued_s = self.sent_at - t0
+        if not got:
+            raise exceptions.ConnectionTimeoutError(f"no turn in {turn_s:g} s: "
                                                     f"{INFLIGHT_PER_MEMBER} requests of this process in flight")
         try:
-            self.sent_at = time.monotonic()
             return self._post(path, body, wait_s)
         finally:
             self._turn.release()
