@@ -42,6 +42,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
+from unittest import mock
 
 KEY = "rc/bench"
 
@@ -369,9 +370,7 @@ def run_one(n_ranks: int, per_node: int, procs: int, seconds: float, baseline_ma
             if lease_ms is None and not os.environ.get(knob):
                 lease_ms = bench_lease_ms(n_ranks // per_node)
             if lease_ms is not None:
-                stack.callback(lambda old=os.environ.get(knob): os.environ.__setitem__(knob, old) if old is not None
-                               else os.environ.pop(knob, None))
-                os.environ[knob] = str(lease_ms)
+                stack.enter_context(mock.patch.dict(os.environ, {knob: str(lease_ms)}))
             spec, spids = stack.enter_context(_etcd())
         else:
             spec, spids = stack.enter_context(_tcpstore())

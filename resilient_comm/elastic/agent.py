@@ -51,7 +51,6 @@ import functools
 import json
 import logging
 import os
-import random
 import shutil
 import socket
 import struct
@@ -65,7 +64,7 @@ from typing import Any
 import torch.distributed as dist
 
 from resilient_comm.elastic.detector import WAITING, DetectorConfig, PeerView, silence_why, straggler_why
-from resilient_comm.elastic.etcd import PrefixWatch
+from resilient_comm.elastic.etcd import PrefixWatch, jittered
 from resilient_comm.elastic.membership import Gone, Membership
 
 log = logging.getLogger("resilient_comm.agent")
@@ -86,12 +85,6 @@ def _knob_s(name: str, least_ms: float) -> float:
     if not ms >= least_ms or not ms > 0:
         raise ValueError(f"{name} must be at least {least_ms:g} ms and positive, got {value!r}")
     return ms / 1e3
-
-
-def _jittered(period: float) -> float:
-    """`period` less up to a fifth at random: after a stall (an election, a burst of requests)
-    every agent's next call would otherwise be due at the same moment, and stay in step."""
-    return period * random.uniform(0.8, 1.0)
 
 
 def node_heartbeat_s() -> float:
@@ -665,7 +658,7 @@ class NodeAgent:
                     self._fence(f"node {self.node}'s lease expired on the store (its record was refused: {e})")
                     break  # a new lease would bring back a node the others may have decided without
                 log.warning("node %d: no store majority for %.1f s (%s)", self.node, time.monotonic() - self._last_ok, e)
-            self._stop.wait(max(0.0, _jittered(period) - (time.monotonic() - t0)))
+            self._stop.wait(max(0.0, jittered(period) - (time.monotonic() - t0)))
         if keeper is not None:
             keeper.join()
 
@@ -706,7 +699,7 @@ class NodeAgent:
             except dist.DistError as e:
                 log.warning("node %d: lease keepalive: no store majority for %.1f s (%s)", self.node,
                             time.monotonic() - self._last_ok, e)
-            self._stop.wait(max(0.0, _jittered(period) - (time.monotonic() - t0)))
+            self._stop.wait(max(0.0, jittered(period) - (time.monotonic() - t0)))
 
     def _events_loop(self) -> None:
         # Waits for the next event's key. TCPStore: a wait the store answers when the key is
@@ -735,11 +728,10 @@ class NodeAgent:
                 if self._stop.is_set():
                     return
                 # One event per wake-up: the wait for the next one answers at once if it is
-                # there (a check first would cost every node one more round trip per event).
-                # On etcd the watch brought the event's value: no request at all.
-                watch = self._events_watch
-                streamed = watch.value(m.key("events", self._next_event)) if watch is not None else None
-                if (ev := m.event(self._next_event, streamed)) is not None:
+                # there (a check first would cost every node one more round trip per event);
+                # on etcd the watch brought the event's value (no request at all).
+                key, watch = m.key("events", self._next_event), self._events_watch
+                if (ev := m.event(self._next_event, watch.value(key) if watch else None)) is not None:
                     self._next_event += 1
                     self._forward(m, ev)
                     if ev.get("kind") == "finished":

@@ -581,7 +581,7 @@ class PrefixWatch:
     def wait_for(self, key: str, timeout_s: float, stop: threading.Event | None = None) -> bool:
         """Block until `key` exists (True), `timeout_s` passes or `stop` is set (False)."""
         deadline = time.monotonic() + timeout_s
-        next_read = time.monotonic() + self._poll_in()
+        next_read = time.monotonic() + jittered(self.poll_s)
         while True:
             with self._cond:
                 if key in self._seen:
@@ -600,7 +600,7 @@ class PrefixWatch:
                         elif fresh and self._behind is None:
                             self._behind = (rev, time.monotonic())  # stale if still not there in poll_s
                     return True
-                next_read = time.monotonic() + self._poll_in()
+                next_read = time.monotonic() + jittered(self.poll_s)
             if deadline <= time.monotonic() or (stop is not None and stop.is_set()) or self._closed.is_set():
                 return False
             left = min(deadline, next_read) - time.monotonic()
@@ -610,11 +610,6 @@ class PrefixWatch:
                     # at it 4 times a second woke 2,048 emulated agents' threads 8,192 times a
                     # second, and their GIL hand-offs starved the agents' store calls.)
                     self._cond.wait(max(0.0, left))
-
-    def _poll_in(self) -> float:
-        """The next backstop read's delay: `poll_s`, less up to a fifth at random (every agent
-        begins its wait at the same event: their reads would stay in step)."""
-        return self.poll_s * random.uniform(0.8, 1.0)
 
     def _stale_after(self, t: float) -> None:
         with self._cond:
@@ -738,6 +733,13 @@ def _keepalive(resp: Any) -> None:
 
 
 
+def jittered(period: float) -> float:
+    """`period` less up to a fifth at random, for a call every agent makes periodically: after
+    a stall (an election, a burst) or an event they all saw, their calls would otherwise fall
+    due at the same moment, and stay in step."""
+    return period * random.uniform(0.8, 1.0)
+
+
 def _prefix_end(prefix: str) -> bytes:
     b = bytearray(prefix.encode())
     for i in range(len(b) - 1, -1, -1):
@@ -747,4 +749,4 @@ def _prefix_end(prefix: str) -> bytes:
     return b"\0"
 
 
-__all__ = ["EtcdStore", "PrefixWatch", "parse_endpoints"]
+__all__ = ["EtcdStore", "PrefixWatch", "jittered", "parse_endpoints"]

@@ -389,7 +389,8 @@ class Membership:
         self.join_many(epoch, [record])
 
     def _join_puts(self, epoch: int, records: list[JoinRecord]) -> list[tuple[str, str]]:
-        """On a `ranged` store: each record's (key, sealed value)."""
+        """Each record's own key (what its MAC is over; on a `ranged` store, where it is
+        written) and its sealed entry."""
         out = []
         for rec in records:
             k = self._join_mac_key(epoch, rec.rank)
@@ -405,8 +406,7 @@ class Membership:
             self.store.multi_set([k for k, _ in puts], [v for _, v in puts])
             return
         entries: dict[int, list[str]] = {}
-        for rec in records:
-            sealed = self._seal(self._join_mac_key(epoch, rec.rank), rec.to_entry())
+        for rec, (_, sealed) in zip(records, self._join_puts(epoch, records)):
             entries.setdefault(rec.rank // JOIN_GROUP, []).append(_ENTRY + sealed + _END)
         for g, es in entries.items():
             cast(Any, self.store).append(self.key("e", epoch, "joins", g), "".join(es))  # the stubs lag
@@ -423,26 +423,23 @@ class Membership:
         wait of up to `wait_s` that the store answers when the last group's key lands (no
         polling of absent keys), then the groups read; a group whose key is there but not yet
         each live rank's entry (its node's workers append within milliseconds of each other)
-        is read again every 5 ms within `wait_s`. On etcd a check (the caller paces its
+        is read again every 5 ms within `wait_s`. On etcd (`ranged`) a count of the epoch's
+        records, and once there are as many as live members, one read (the caller paces its
         polls)."""
         end = time.monotonic() + wait_s
         if self.ranged:  # etcd: a count of the records while some are missing, then one read
             if cast(Any, self.store).count(self.key("e", epoch, "join") + "/") < len(live):
                 return None
-            joined = self.joined(epoch, live)
-            if any(r not in joined for r in live):
+        else:
+            keys = [self.key("e", epoch, "joins", g) for g in sorted({r // JOIN_GROUP for r in live})]
+            if wait_s > 0 and not self.watches:
+                try:
+                    for part in _chunks(keys):  # a chunk already there answers at once
+                        self.store.wait(part, datetime.timedelta(seconds=max(end - time.monotonic(), _MIN_WAIT_S)))
+                except dist.DistStoreError:
+                    return None  # not all yet: the caller looks at who is live again
+            elif not all(self.store.check(part) for part in _chunks(keys)):
                 return None
-            alive = set(live)
-            return joined, self.gone([r for r in base if r not in alive])
-        keys = [self.key("e", epoch, "joins", g) for g in sorted({r // JOIN_GROUP for r in live})]
-        if wait_s > 0 and not self.watches:
-            try:
-                for part in _chunks(keys):  # a chunk already there answers at once
-                    self.store.wait(part, datetime.timedelta(seconds=max(end - time.monotonic(), _MIN_WAIT_S)))
-            except dist.DistStoreError:
-                return None  # not all yet: the caller looks at who is live again
-        elif not all(self.store.check(part) for part in _chunks(keys)):
-            return None
         joined = self.joined(epoch, live, there=True)
         while missing := [r for r in live if r not in joined]:
             if self.watches or time.monotonic() + _MIN_WAIT_S > end:
@@ -456,7 +453,8 @@ class Membership:
         """The join records of `ranks` for `epoch` that exist (a rank that joined twice: its
         last). An entry that is malformed, not sealed for its rank, or in another rank's group
         is logged and counts as not there: that rank's own entry still counts when it lands.
-        `there`: every group's key is known to exist (read without a check first)."""
+        `there`: every group's key is known to exist (read without a check first). On a
+        `ranged` store every record under the epoch's prefix is read."""
         bodies: list[str] = []  # the entries as written
         owner: list[tuple[str, int]] = []  # the key of each, and the rank (ranged) or group it must be of
         if self.ranged:
