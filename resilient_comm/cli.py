@@ -1,4 +1,4 @@
-"""The `resilient-comm` command: demo, bench {checkpoint,collectives,control-plane,nccl,overhead,primitives,recovery}, chaos, sim, doctor."""
+"""The `resilient-comm` command: demo, bench {checkpoint,collectives,control-plane,etcd-costs,nccl,overhead,primitives,recovery}, chaos, sim, doctor."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def _bench(argv: list[str]) -> int:
         "checkpoint": "resilient_comm.bench.checkpoint",
         "collectives": "resilient_comm.bench.collectives",
         "control-plane": "resilient_comm.bench.control_plane",
+        "etcd-costs": "resilient_comm.bench.etcd_costs",
         "nccl": "resilient_comm.bench.nccl_path",
         "overhead": "resilient_comm.bench.overhead",
         "primitives": "resilient_comm.bench.primitives",

@@ -6,8 +6,9 @@
 Each node is a real `NodeAgent` (the code `resilient-run` runs) with its own store
 connection and events thread, on the real `Membership`; its 8 workers are emulated: they
 beat into the agent (no socket; every ``--worker-heartbeat-ms``, 1 s: the node-local hop is
-not what is measured) and, on a failure, do what a controller does on the store (propose the
-next epoch, append their join entries: one call per node, the same key and bytes). Rank 0's
+not what is measured) and, on a failure, do what a controller does: each hands its join
+record to its agent, which writes the node's records in one request (`joins.JoinBatcher`,
+the real code; a worker told of a later epoch joins it itself). Rank 0's
 controller, the decider, runs in a process of its own, as a worker does on its node: it polls
 the joins, decides with `decision.decide` and publishes. Agents are spread over ``--procs``
 driver processes; the store is served by its own process, whose CPU time is measured. The
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import heapq
 import json
 import math
@@ -142,17 +144,22 @@ def _driver(spec: str, nodes: list[int], nnodes: int, per_node: int, hb_s: float
             m = self.events_m
             lowest = next(r for r in range(world) if r not in gone)  # the decider
             mine = [r for r in range(self.node * per_node, (self.node + 1) * per_node) if r not in gone]
-            if not mine:
+            # Each worker sends its join record to its agent (`Detector.join`), which writes the
+            # node's records in one request (`joins.JoinBatcher`); a worker told that a later
+            # epoch is current joins that one itself (`agreement.catch_up`).
+            for r in mine:
+                self.joins.submit(JoinRecord(r, applied, True, 10 + applied, None, time.time()),
+                                  functools.partial(self.joined, m, r, r == lowest))
+
+        def joined(self, m: Membership, rank: int, decides: bool, line: str) -> None:
+            word, applied_s, epoch_s = line.split(" ", 2)
+            if word != "joined":
+                print(f"  rank {rank} not joined: {line}", flush=True)
                 return
-            # Each worker proposes (the same compare-and-set, the same answer) and joins; the
-            # node's emulated workers send theirs in one call (the same keys and bytes), or 16K
-            # emulated workers' round trips would need more cores than the store they measure.
-            # On etcd the proposal and the joins are one request (`Membership.propose_join`).
-            records = [JoinRecord(r, applied, True, 10 + applied, None, time.time()) for r in mine]
-            epoch = m.propose_join(applied, records)
+            applied, epoch = int(applied_s), int(epoch_s)
             if epoch != applied + 1:
-                m.join_many(epoch, records)
-            if lowest in mine and decider is not None:
+                m.join(epoch, JoinRecord(rank, applied, True, 10 + applied, None, time.time()))
+            if decides and decider is not None:
                 with lock:
                     decider.send(("decide", epoch, applied))
 
@@ -482,7 +489,9 @@ def _run_one(spec: str, spids: list[int], n_ranks: int, per_node: int, procs: in
     client = connect(spec, datetime.timedelta(seconds=60))
     m = Membership(client, KEY)
     faults = (("exit", 1, nnodes // 2, "exit"), ("silent node", 2, max(1, nnodes // 4), "silence"))
+    dpids = [cast(int, d.pid) for d in drivers]
     for i, (label, epoch, node, cmd) in enumerate(faults):
+        cpu_at = (sum(map(_cpu_s, spids)), sum(map(_cpu_s, dpids)), time.monotonic())
         try:
             t0 = _ask(pipes[owner[node]], (cmd, node * per_node + 3 if cmd == "exit" else node))
             # (A silent node is found at its lease's expiry: up to 4/3 of the lease on etcd.)
@@ -505,10 +514,16 @@ def _run_one(spec: str, spids: list[int], n_ranks: int, per_node: int, procs: in
                       "faults are skipped")
             for skipped, *_ in faults[i:]:
                 row.update({f"{skipped}: {k}": math.nan for k in ("agents_told", "informed_s", "decision_s",
-                                                                 "joined_s", "seen_s", "told_s")})
+                                                                 "joined_s", "seen_s", "told_s", "store_cpu_s",
+                                                                 "drivers_cpu_s", "window_s")})
                 row[f"{skipped}: false_suspects"] = 0
             break
         published = times["published"]
+        # CPU seconds the store and the emulated agents spent from the fault to every agent told
+        # (one window, a bound on where the failure's time went on this machine's 2 cores).
+        row[f"{label}: store_cpu_s"] = sum(map(_cpu_s, spids)) - cpu_at[0]
+        row[f"{label}: drivers_cpu_s"] = sum(map(_cpu_s, dpids)) - cpu_at[1]
+        row[f"{label}: window_s"] = time.monotonic() - cpu_at[2]
         if os.environ.get("RC_BENCH_DEBUG"):
             late = sorted(heard.items(), key=lambda x: -x[1])[:6]
             streamed = sorted(t - t0 for n, k, e, t in got if k == "streamed" and e == epoch)
@@ -534,7 +549,9 @@ def _run_one(spec: str, spids: list[int], n_ranks: int, per_node: int, procs: in
         row[f"{label}: told_s"] = max(told.values(), default=math.nan) - t0
         _progress(f"{label}: every agent heard after {row[f'{label}: informed_s']:.2f} s, the last join "
                   f"{row[f'{label}: joined_s']:.2f} s, seen by the decider {row[f'{label}: seen_s']:.2f} s, decision "
-                  f"published {published - t0:.2f} s, every agent told {row[f'{label}: told_s']:.2f} s")
+                  f"published {published - t0:.2f} s, every agent told {row[f'{label}: told_s']:.2f} s; CPU from the "
+                  f"fault on: store {row[f'{label}: store_cpu_s']:.1f} s, agents {row[f'{label}: drivers_cpu_s']:.1f} s "
+                  f"in {row[f'{label}: window_s']:.1f} s")
     for p in pipes:
         p.send(("quit", None))
     for p, d in zip(pipes, drivers):

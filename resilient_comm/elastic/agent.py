@@ -27,21 +27,11 @@ agents"):
   its waiters when the poster writes the key, so posting costs one write whatever the number
   of nodes; on etcd a watch). It forwards each event to its processes, with the gone records
   it names.
+- **Joins**: after a failure each worker sends its join record to its agent, which writes its
+  node's records in one request (`joins.JoinBatcher`): one transaction per node per failure,
+  not per rank.
 
-Protocol on the socket: ASCII lines of at most `MAX_LINE` bytes.
-
-    worker -> agent   hello <rank> <heartbeat_ms> <silence_floor_ms> <straggler_floor_ms>
-                            <slow_factor> <min_silent_reads>
-                      hb <seq> <step> <phase> <elapsed_ms> <p99_ms> <comm_ms>
-                      bye                   it stops beating on purpose (closing): judged no more
-    agent -> worker   ev <event as JSON>     gone events carry their records under "gone"
-                      lost <reason>          the agent lost the store: no recovery is possible
-                      fence <reason>         cut off from the store majority: leave (Evicted)
-
-Trust: the socket lives in a directory only this user can enter, and a connection is kept
-only if its peer (``SO_PEERCRED``) is one of the agent's processes, or a descendant of one,
-claiming that process's rank. Anything else -- a stray connection, a malformed line, an
-oversized one -- is dropped with a log line; it never reaches the store.
+The socket's lines and its trust rule: `wire`.
 """
 
 from __future__ import annotations
@@ -53,7 +43,6 @@ import logging
 import os
 import shutil
 import socket
-import struct
 import tempfile
 import threading
 import time
@@ -65,12 +54,13 @@ import torch.distributed as dist
 
 from resilient_comm.elastic.detector import WAITING, DetectorConfig, PeerView, silence_why, straggler_why
 from resilient_comm.elastic.etcd import PrefixWatch, jittered
-from resilient_comm.elastic.membership import Gone, Membership
+from resilient_comm.elastic.joins import JoinBatcher
+from resilient_comm.elastic.membership import Gone, JoinRecord, Membership
+from resilient_comm.elastic.wire import MAX_LINE, ancestors, hello_line, parse_hello, peer_cred
 
 log = logging.getLogger("resilient_comm.agent")
 
 ENV_AGENT = "RESILIENT_COMM_AGENT"  # path of the node agent's socket, in every worker's environment
-MAX_LINE = 1024
 
 
 def _knob_s(name: str, least_ms: float) -> float:
@@ -95,22 +85,6 @@ def node_lease_s() -> float:
     return _knob_s("RESILIENT_COMM_NODE_LEASE_MS", 2000)  # etcd's shortest lease is about 2 s
 
 
-def parse_hello(fields: list[str]) -> tuple[int, DetectorConfig]:
-    """``hello``'s fields (after the word) -> (rank, the worker's detection config)."""
-    if len(fields) != 6:
-        raise ValueError(f"hello has {len(fields)} fields, expected 6")
-    rank, hb, silence, straggler, factor, reads = fields
-    cfg = DetectorConfig(heartbeat_s=float(hb) / 1e3, silence_floor_s=float(silence) / 1e3,
-                         straggler_floor_s=float(straggler) / 1e3, slow_factor=float(factor),
-                         min_silent_reads=int(reads))
-    return int(rank), cfg
-
-
-def hello_line(rank: int, cfg: DetectorConfig) -> str:
-    return (f"hello {rank} {1e3 * cfg.heartbeat_s:g} {1e3 * cfg.silence_floor_s:g} {1e3 * cfg.straggler_floor_s:g} "
-            f"{cfg.slow_factor:g} {cfg.min_silent_reads}")
-
-
 @dataclass
 class Proc:
     """One process of this node (a worker or a spare), as its agent sees it."""
@@ -122,6 +96,7 @@ class Proc:
     beat: str = ""  # its last heartbeat line's fields
     placed: bool = False  # a spare that a decision placed (from then on it is judged like a member)
     done: bool = False  # exited or reported: never judged again
+    gone_why: str = ""  # the evidence of a gone event that named it
     conn: socket.socket | None = None
 
     def judged(self) -> bool:
@@ -139,25 +114,6 @@ class RemoteProc:
 
 def _cfg_fields(c: DetectorConfig) -> list[float]:
     return [c.silence_floor_s, c.straggler_floor_s, c.slow_factor, c.min_silent_reads]
-
-
-def _peer_pid(conn: socket.socket) -> tuple[int, int]:
-    pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    return pid, uid
-
-
-def _ancestors(pid: int) -> list[int]:
-    """pid and its ancestors up to init (from /proc; stops at a process that is gone)."""
-    chain: list[int] = []
-    while pid > 1 and len(chain) < 64:
-        chain.append(pid)
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            break
-        pid = int(stat[stat.rindex(b")") + 2:].split()[1])  # the field after the state: ppid
-    return chain
 
 
 class _Conn:
@@ -201,6 +157,8 @@ class NodeAgent:
         self._announced: set[int] = set()  # capacity nodes that said they started (they had a record)
         self._finished = False
         self._lock = threading.Lock()  # procs' connections, gone_nodes and present: both threads
+        self._send_lock = threading.Lock()  # whole lines to a worker from the events and joins threads
+        self.joins: JoinBatcher | None = None  # (`start`)
         self._seq = 0
         self._next_tick = time.monotonic()
         self._next_node_beat = self._next_tick
@@ -322,10 +280,10 @@ class NodeAgent:
                 rank, cfg = parse_hello(fields)
             except ValueError as e:
                 return f"bad hello {line[:80]!r}: {e}"
-            pid, uid = _peer_pid(c.sock)
+            pid, uid = peer_cred(c.sock)
             with self._lock:
                 p = self.procs.get(rank)
-            if uid != os.getuid() or p is None or p.done or p.pid not in _ancestors(pid):
+            if uid != os.getuid() or p is None or p.done or p.pid not in ancestors(pid):
                 return f"pid {pid} (uid {uid}) is not process {rank} of this node"
             c.proc = self.hello(rank, cfg)
             with self._lock:
@@ -342,6 +300,19 @@ class NodeAgent:
                 except ValueError as e:
                     log.warning("node %d: ignoring a bad recovery report from rank %d: %s", self.node, c.proc.rank, e)
             return ""
+        if word == "join" and len(fields) == 1 and self.joins is not None:
+            try:
+                rec = JoinRecord.from_entry(json.loads(fields[0]))
+            except ValueError as e:
+                return f"bad join {line[:80]!r}: {e}"
+            if rec.rank != c.proc.rank:
+                return f"a join record for rank {rec.rank} from rank {c.proc.rank}"
+            reply = functools.partial(self._send_line, c.sock)
+            if c.proc.done:  # a gone event named it (it said no bye: it is joining)
+                self.joins.refuse(rec, reply, f"rank {rec.rank} was reported gone: {c.proc.gone_why or 'it ended'}")
+            else:
+                self.joins.submit(rec, reply)
+            return ""
         if word != "hb" or len(fields) != 6:
             return f"unexpected line {line[:40]!r}"
         try:
@@ -352,14 +323,23 @@ class NodeAgent:
 
     def broadcast(self, line: str) -> None:
         """Send `line` to every connected process (a wedged one is dropped after 1 s)."""
-        data = (line + "\n").encode()
         with self._lock:
             socks = [p.conn for p in self.procs.values() if p.conn is not None]
         for s in socks:
             try:
-                s.sendall(data)
+                self._send_line(s, line)
             except OSError as e:  # it closed or ended meanwhile (a wedged one: after 1 s)
                 log.debug("node %d: could not send to a worker: %s", self.node, e)
+
+    def _send_line(self, sock: socket.socket, line: str) -> None:
+        with self._send_lock:
+            sock.sendall((line + "\n").encode())
+
+    def joining(self) -> int:
+        """How many of this node's processes would join an epoch now: alive, past hello, not
+        spares waiting (`joins.JoinBatcher` writes a batch once all of them sent theirs)."""
+        with self._lock:
+            return sum(1 for p in self.procs.values() if not p.done and p.cfg is not None and p.view.phase != "spare")
 
     # -- judging, the node record, the ring -----------------------------------------------
 
@@ -558,7 +538,9 @@ class NodeAgent:
     # -- events ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the events thread (its own store connection), and on etcd the lease thread."""
+        """Start the events and joins threads (their own store connections), and on etcd the
+        lease thread."""
+        self.joins = JoinBatcher(self.m, self.joining)
         self._events_thread = threading.Thread(target=self._events_loop, name="rc-agent-events", daemon=True)
         self._events_thread.start()
         if self.lease_s:
@@ -588,6 +570,8 @@ class NodeAgent:
         for th in (self._lease_thread, self._fence_thread):
             if th is not None and th.is_alive():
                 th.join()
+        if self.joins is not None:
+            self.joins.close()
         for c in list(self._conns):
             self._close(c)
         if self._listener is not None:
@@ -771,9 +755,11 @@ class NodeAgent:
                 return  # logged by the membership: nothing to forward
             if kind == "gone":
                 ranks = [int(r) for r in ev["ranks"]]  # (their evidence is in the event: no read)
-                for g in ev.get("gone", []):
-                    Gone.from_dict(g)  # what the workers parse: refused here if malformed
+                gones = [Gone.from_dict(g) for g in ev.get("gone", [])]  # refused here if malformed
                 with self._lock:
+                    for g in gones:
+                        if g.rank in self.procs:
+                            self.procs[g.rank].gone_why = g.detail  # (the answer to its join)
                     if ev.get("node") is not None:
                         self.gone_nodes.add(int(ev["node"]))
                     for r in ranks:

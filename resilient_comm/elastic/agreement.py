@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import torch.distributed as dist
+
 from resilient_comm.elastic.decision import decide
 from resilient_comm.elastic.detector import Detector
 from resilient_comm.elastic.membership import Decision, Gone, JoinRecord, Membership, join_poll_cap_s
@@ -31,15 +33,26 @@ class RecoveryError(RuntimeError):
     recovery made no progress."""
 
 
-def catch_up(m: Membership, rank: int, applied: int, base: Decision, record: JoinRecord) -> tuple[int, Decision]:
+def catch_up(m: Membership, rank: int, applied: int, base: Decision, record: JoinRecord,
+             via: Callable[[JoinRecord], tuple[str, str] | None] | None = None) -> tuple[int, Decision]:
     """Propose the epoch after `applied`, join the current epoch with `record`, and return
     (the current epoch, the decision of the one before it). `Evicted` if `rank` was reported
     gone or a decision it missed left it out (then it has not joined). The usual case -- the
-    current epoch is the one proposed -- is one round trip on etcd (`Membership.propose_join`)."""
-    me = m.gone([rank])
-    if me:
-        raise Evicted(f"rank {rank} was reported gone: {me[rank].detail}")
-    current = m.propose_join(applied, [record])
+    current epoch is the one proposed -- is one round trip on etcd (`Membership.propose_join`).
+    `via`: the node agent's join (`Detector.join`), which writes a node's records together (one
+    transaction per node, not per rank); where it does not answer, this rank joins itself."""
+    answer = via(record) if via is not None else None
+    if answer is not None and answer[0] == "gone":
+        raise Evicted(answer[1])
+    if answer is not None and answer[0] == "failed":  # (what this rank's own call would have met)
+        raise dist.DistNetworkError(f"rank {rank}: its node agent could not join it: {answer[1]}")
+    if answer is not None:
+        current = int(answer[1])
+    else:
+        me = m.gone([rank])
+        if me:
+            raise Evicted(f"rank {rank} was reported gone: {me[rank].detail}")
+        current = m.propose_join(applied, [record])
     if current == applied + 1:
         return current, base
     for e in range(applied + 1, current):
@@ -51,6 +64,13 @@ def catch_up(m: Membership, rank: int, applied: int, base: Decision, record: Joi
         base = d
     m.join(current, record)
     return current, base
+
+
+def join_wait_s(deadline: float) -> float:
+    """How long a rank waits for its agent to answer its join (`catch_up`'s `via`): the agent
+    batches for `joins.join_window_s` and makes two store calls, slow ones under load; joining
+    directly meanwhile would double the load it is there to save."""
+    return max(1.0, min(30.0, deadline - time.monotonic()))
 
 
 def decide_epoch(m: Membership, epoch: int, base: Decision, joined: dict[int, JoinRecord], gone: dict[int, Gone],
@@ -116,4 +136,5 @@ def wait_placed(m: Membership, detector: Detector, rank: int, check_fatal: Calla
         detector.wait_news(news, 1.0)
 
 
-__all__ = ["EXIT_EVICTED", "Evicted", "RecoveryError", "await_decision", "catch_up", "decide_epoch", "wait_placed"]
+__all__ = ["EXIT_EVICTED", "Evicted", "RecoveryError", "await_decision", "catch_up", "decide_epoch", "join_wait_s",
+           "wait_placed"]

@@ -508,7 +508,8 @@ class Controller(Evidence):
         """Join the current epoch and return (the previous epoch's decision, its decision)."""
         pending = self._pending[0] if self._pending else None
         current, base = catch_up(self._m, self.rank, self.applied_epoch, self._decision,
-                                 JoinRecord(self.rank, self.applied_epoch, self._ready, self.committed, pending, now()))
+                                 JoinRecord(self.rank, self.applied_epoch, self._ready, self.committed, pending, now()),
+                                 lambda rec: self._join_via_agent(rec, deadline))
         self._emit("recovery.joined", epoch=current)
         with self._lock:
             self._watching = set(base.members)

@@ -49,7 +49,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from resilient_comm.elastic.membership import Gone
+from resilient_comm.elastic.membership import Gone, JoinRecord
 
 log = logging.getLogger("resilient_comm.elastic")
 
@@ -225,6 +225,8 @@ class Detector:
         self._comm_s = 0.0
         self._stop = threading.Event()
         self._lost_reason: str | None = None
+        self._joins: dict[int, str] = {}  # applied -> the agent's answer to this rank's join
+        self._fenced = False
         self._threads = [threading.Thread(target=self._events_loop, name="rc-events", daemon=True),
                          threading.Thread(target=self._heartbeat_loop, name="rc-heartbeat", daemon=True)]
 
@@ -239,7 +241,7 @@ class Detector:
             raise RuntimeError(f"rank {self.rank}: cannot reach the node agent at {self._path} ({e}): "
                                "start workers with resilient-run") from e
         self._sock = sock
-        from resilient_comm.elastic.agent import hello_line
+        from resilient_comm.elastic.wire import hello_line
 
         self._send(hello_line(self.rank, self.cfg))
         self._beat()
@@ -310,6 +312,37 @@ class Detector:
         log.error("rank %d: %s", self.rank, reason)
         self._on_store_lost(reason)
 
+    def join(self, record: JoinRecord, timeout_s: float) -> tuple[str, str] | None:
+        """Send `record` to the node agent, which writes its node's records in one request
+        (`joins.JoinBatcher`), and wait up to `timeout_s` for its answer: ("joined", the current
+        epoch), ("gone", why), ("failed", the store's error) or None (no answer in time: the
+        caller joins directly; or the agent fenced the node or is gone: the caller leaves)."""
+        if self._sock is None or self._stop.is_set():
+            return None
+        applied = record.applied
+        with self._lock:
+            self._joins.pop(applied, None)
+        try:
+            self._send("join " + record.to_entry().replace(" ", ""))
+        except OSError:
+            return None
+        with self._lock:
+            self._lock.wait_for(lambda: applied in self._joins or self._lost_reason is not None or self._fenced,
+                                timeout_s)
+            answer = self._joins.pop(applied, None)
+            if answer is None and (self._lost_reason is not None or self._fenced):
+                return None  # the caller leaves (its `on_fenced`, `on_store_lost` were called)
+        if answer is None:
+            log.warning("rank %d: the node agent did not answer its join within %g s: it joins by itself",
+                        self.rank, timeout_s)
+            return None
+        word, _, rest = answer.partition(" ")
+        if word == "joined" and rest.isdigit():
+            return "joined", rest
+        if word == "joingone":
+            return "gone", rest
+        return "failed", rest  # nojoin: the store failed the agent's call
+
     def report(self, line: str) -> None:
         """Tell the agent something for its metrics (a `metrics.recovery_line`); an agent that
         is gone is the heartbeat thread's news, not this caller's."""
@@ -351,10 +384,18 @@ class Detector:
         if word == "lost":
             self._lost(rest)
             return
+        if word in ("joined", "joingone", "nojoin"):  # the answer to `join`: "<word> <applied> <rest>"
+            applied, _, rest = rest.partition(" ")
+            if applied.lstrip("-").isdigit():
+                with self._lock:
+                    self._joins[int(applied)] = f"{word} {rest}"
+                    self._lock.notify_all()
+            return
         if word == "fence":
             log.error("rank %d: fenced by its node agent: %s", self.rank, rest)
             with self._lock:
                 self._news += 1
+                self._fenced = True
                 self._lock.notify_all()
             if self._on_fenced is not None:
                 self._on_fenced(rest)

@@ -17,9 +17,9 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from resilient_comm.elastic.agreement import Evicted, RecoveryError
+from resilient_comm.elastic.agreement import Evicted, RecoveryError, join_wait_s
 from resilient_comm.elastic.detector import Detector
-from resilient_comm.elastic.membership import Decision, Gone, Membership, now
+from resilient_comm.elastic.membership import Decision, Gone, JoinRecord, Membership, now
 from resilient_comm.elastic.vote import Pacer
 
 
@@ -78,6 +78,13 @@ class Evidence:
             raise Evicted(f"rank {self.rank} was fenced: {self._fenced}")
         if self._fatal:
             raise RecoveryError(self._fatal)
+
+    def _join_via_agent(self, record: JoinRecord, deadline: float) -> tuple[str, str] | None:
+        """`catch_up`'s `via`: the node agent writes this node's join records together. A fence
+        or the agent's loss while waiting ends the wait and the recovery (`_check_fatal`)."""
+        answer = self._detector.join(record, join_wait_s(deadline))
+        self._check_fatal()
+        return answer
 
     def _store_failed(self, e: BaseException) -> NoReturn:
         """A store call failed: fenced meanwhile (`Evicted`), or no membership (`RecoveryError`)."""

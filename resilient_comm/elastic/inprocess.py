@@ -200,7 +200,8 @@ class Restarter(Evidence):
         deadline = time.monotonic() + self._timeout.total_seconds()
         try:
             current, base = catch_up(self._m, self.rank, self.applied_epoch, self._decision,
-                                     JoinRecord(self.rank, self.applied_epoch, False, -1, None, now()))
+                                     JoinRecord(self.rank, self.applied_epoch, False, -1, None, now()),
+                                     lambda rec: self._join_via_agent(rec, deadline))
             with self._lock:
                 self._watching = set(base.members)
             d = await_decision(self._m, self._detector, self.rank, current, base, deadline,

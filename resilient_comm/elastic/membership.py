@@ -540,7 +540,15 @@ class Membership:
     def gone(self, ranks: list[int]) -> dict[int, Gone]:
         """The evidence recorded on `ranks` (a malformed record is logged and ignored)."""
         out = {}
-        for r, v in self._present([self.key("gone", r) for r in ranks], ranks).items():
+        if self.ranged:  # one read of every gone record (a few), not a check per rank
+            prefix, want = self.key("gone", ""), set(ranks)
+            found = {}
+            for k, v in cast(Any, self.store).items(prefix):
+                if k[len(prefix):].isdigit() and int(k[len(prefix):]) in want:
+                    found[int(k[len(prefix):])] = v
+        else:
+            found = self._present([self.key("gone", r) for r in ranks], ranks)
+        for r, v in found.items():
             try:
                 out[r] = Gone.from_json(self._open(self.key("gone", r), v))
             except ValueError as e:
