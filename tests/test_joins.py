@@ -22,7 +22,7 @@ from resilient_comm.elastic import DetectorConfig, Membership
 from resilient_comm.elastic.agent import NodeAgent
 from resilient_comm.elastic.agreement import Evicted, catch_up
 from resilient_comm.elastic.detector import Detector
-from resilient_comm.elastic.membership import Decision, JoinRecord
+from resilient_comm.elastic.membership import Decision, Gone, JoinRecord
 from resilient_comm.elastic.policy import Mesh
 
 CFG = DetectorConfig(heartbeat_s=0.05, silence_floor_s=5.0, straggler_floor_s=5.0)
@@ -32,11 +32,12 @@ class _Counting:
     """A store that counts the calls made through it and its clones (the agent's joins thread
     has a clone of its own)."""
 
-    def __init__(self, store: Any, calls: list[str]) -> None:
+    def __init__(self, store: Any, calls: list[str], threads: list[str] | None = None) -> None:
         self._s, self.calls = store, calls
+        self.threads: list[str] = [] if threads is None else threads  # the calling thread's name, each call
 
     def clone(self) -> _Counting:
-        return _Counting(self._s.clone(), self.calls)
+        return _Counting(self._s.clone(), self.calls, self.threads)
 
     def __getattr__(self, name: str) -> Any:
         fn = getattr(self._s, name)
@@ -45,6 +46,7 @@ class _Counting:
 
         def call(*a: Any, **k: Any) -> Any:
             self.calls.append(name)
+            self.threads.append(threading.current_thread().name)
             return fn(*a, **k)
         return call
 
@@ -57,10 +59,12 @@ class _Node:
         self.tcp = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=10),
                                  wait_for_workers=False)
         self.calls: list[str] = []
+        self.threads: list[str] = []
         self.m = Membership(self.tcp, "rc/j")
         self.m.start(Decision(0, ranks, Mesh(dp=len(ranks)).as_dict(), "init", 0))
         self.sel = selectors.DefaultSelector()
-        self.agent = NodeAgent(Membership(_Counting(self.tcp.clone(), self.calls), "rc/j"), 0, 1, nproc=len(ranks),
+        counted = _Counting(self.tcp.clone(), self.calls, self.threads)
+        self.agent = NodeAgent(Membership(counted, "rc/j"), 0, 1, nproc=len(ranks),
                                config=CFG, register=lambda f, cb: self.sel.register(f, selectors.EVENT_READ, cb),
                                unregister=self.sel.unregister)
         for r in ranks:
@@ -78,8 +82,8 @@ class _Node:
             for key, _ in self.sel.select(timeout=0.05):
                 key.data()
 
-    def connect(self, r: int) -> Detector:
-        d = Detector(self.agent.path, r, CFG, lambda g: None, lambda why: None)
+    def connect(self, r: int, on_gone: Any = None) -> Detector:
+        d = Detector(self.agent.path, r, CFG, on_gone or (lambda g: None), lambda why: None)
         d.start()
         self.dets[r] = d
         deadline = time.monotonic() + 10
@@ -199,3 +203,32 @@ def test_a_join_record_for_another_rank_or_malformed_is_dropped_with_its_connect
     assert "a join record for rank 1 from rank 0" in caplog.text, caplog.text
     assert caplog.text.count("bad join") == 2, caplog.text
     assert node.m.epoch() == 0 and node.agent.joins is not None and node.agent.joins.written == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("node", [([0, 1, 2], 30.0)], indirect=True)
+def test_after_a_gone_event_the_agents_events_thread_writes_its_workers_joins(node: _Node) -> None:
+    """The workers' records follow the event the agent forwarded: the thread that forwarded it
+    writes them (`JoinBatcher.help`), and the batcher's own thread is not woken for them."""
+    answers: dict[int, Any] = {}
+
+    def on_gone(r: int) -> Any:
+        def joins(g: Gone) -> None:  # as a controller's recovery does, on its own thread
+            threading.Thread(target=lambda: answers.__setitem__(r, node.dets[r].join(_rec(r), 10.0))).start()
+        return joins
+
+    for r in (0, 1):
+        node.connect(r, on_gone(r))
+    node.connect(2)
+    node.threads.clear()
+    node.m.report_gone(Gone(2, "exit", "killed by SIGKILL", time.time(), "launcher"))  # node 0's own rank 2
+    node.agent.exited(2)
+    deadline = time.monotonic() + 10
+    while len(answers) < 2:
+        assert time.monotonic() < deadline, f"the joins were not answered: {answers}"
+        time.sleep(0.01)  # polling the workers' answers
+    assert answers == {0: ("joined", "1"), 1: ("joined", "1")}
+    calls = list(zip(node.calls, node.threads))
+    # (Reading the event is a compare_set too: the proposal and the append are the last two.)
+    assert calls[-2:] == [("compare_set", "rc-agent-events"), ("append", "rc-agent-events")], calls
+    assert all(t != "rc-agent-joins" for _, t in calls), calls

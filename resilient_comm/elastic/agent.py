@@ -774,7 +774,12 @@ class NodeAgent:
         except (KeyError, TypeError, ValueError) as e:
             log.warning("node %d: event %d is malformed (%s): ignored", self.node, self._next_event - 1, e)
             return
+        joins = self.joins if kind == "gone" else None
+        if joins is not None:
+            joins.expect()  # this thread writes the join records its workers send now (`JoinBatcher`)
         self.broadcast(line)
+        if joins is not None:
+            joins.help(joins.window_s)
 
 
 __all__ = ["ENV_AGENT", "MAX_LINE", "NodeAgent", "Proc", "hello_line", "node_heartbeat_s", "parse_hello"]
