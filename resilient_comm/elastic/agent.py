@@ -779,7 +779,7 @@ class NodeAgent:
             joins.expect()  # this thread writes the join records its workers send now (`JoinBatcher`)
         self.broadcast(line)
         if joins is not None:
-            joins.help(joins.window_s)
+            joins.help(joins.window_s, m)
 
 
 __all__ = ["ENV_AGENT", "MAX_LINE", "NodeAgent", "Proc", "hello_line", "node_heartbeat_s", "parse_hello"]

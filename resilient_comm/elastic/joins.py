@@ -62,15 +62,17 @@ class JoinBatcher:
     Who writes: after the agent forwards a gone event its events thread `help`s (its workers'
     records follow the event within milliseconds, and the next event cannot come before they
     land: it is the decision they wait for). Otherwise, or where records come later than the
-    window, a thread of the batcher's own writes them (its own store connection: a slow store
-    never holds up the agent's loop), which is not woken while a helper is at work. That
+    window, a thread of the batcher's own writes them (its own store connection, opened when
+    it first writes: a slow store never holds up the agent's loop; a helper writes through
+    the events thread's), and it is not woken while a helper is at work. That
     matters where many agents share a process (the benchmark's 256 per driver): with each
     agent's batcher thread woken by its first record and again at its window, 2,048 threads
     woke in the same moments as the events had to reach the other agents, and at 16,384 ranks
     on a TCPStore a silent node's decision took 4.0-5.1 s instead of 2.2-2.5 s."""
 
     def __init__(self, m: Membership, expected: Callable[[], int], window_s: float | None = None) -> None:
-        self._m = m.clone(timeout=datetime.timedelta(seconds=30))
+        self._base = m
+        self._m: Membership | None = None  # the batcher thread's connection, opened when it first writes
         self._expected = expected
         self.window_s = join_window_s() if window_s is None else window_s
         lock = threading.Lock()
@@ -97,9 +99,10 @@ class JoinBatcher:
         with self._cond:
             self._helping += 1
 
-    def help(self, wait_s: float) -> None:
-        """(After `expect`.) Write, on this thread, the batches that fill or fall due within
-        `wait_s`; return once none is pending, or at `wait_s`."""
+    def help(self, wait_s: float, m: Membership) -> None:
+        """(After `expect`.) Write, on this thread and through `m` (its connection), the
+        batches that fill or fall due within `wait_s`; return once none is pending, or at
+        `wait_s`."""
         end = time.monotonic() + wait_s
         try:
             while True:
@@ -113,7 +116,7 @@ class JoinBatcher:
                         if left <= 0 or self._closed:
                             return
                         self._filled.wait(left)
-                self._write(applied, batch)
+                self._write(applied, batch, m)
                 with self._cond:
                     if not self._batches:
                         return
@@ -162,11 +165,16 @@ class JoinBatcher:
                 for rec, reply in left:
                     _send(reply, f"nojoin {rec.applied} the node agent is stopping")
                 return
-            self._write(applied, batch)
+            self._write(applied, batch, None)
 
-    def _write(self, applied: int, batch: dict[int, tuple[JoinRecord, Reply]]) -> None:
+    def _write(self, applied: int, batch: dict[int, tuple[JoinRecord, Reply]], m: Membership | None) -> None:
+        """Write `batch` through `m`, or (None: the batcher's thread) its own connection."""
         try:
-            epoch = self._m.propose_join(applied, [rec for _, (rec, _) in sorted(batch.items())])
+            if m is None:
+                if self._m is None:
+                    self._m = self._base.clone(timeout=datetime.timedelta(seconds=30))
+                m = self._m
+            epoch = m.propose_join(applied, [rec for _, (rec, _) in sorted(batch.items())])
         except (dist.DistError, ValueError) as e:
             log.warning("could not join %d ranks to epoch %d: %s", len(batch), applied + 1, e)
             for _, reply in batch.values():
