@@ -23,3 +23,16 @@ class Knob:
 def knobs() -> list[Knob]:
     """Every knob, in declaration order."""
     return [Knob(name, default, doc) for name, default, doc in _C.knobs()]
+
+
+def knob_s(name: str, least_ms: float) -> float:
+    """A millisecond knob's value, in seconds; at least `least_ms` and positive (a clear
+    ValueError otherwise)."""
+    value = next(k for k in knobs() if k.name == name).value
+    try:
+        ms = float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number") from None
+    if not ms >= least_ms or not ms > 0:
+        raise ValueError(f"{name} must be at least {least_ms:g} ms and positive, got {value!r}")
+    return ms / 1e3

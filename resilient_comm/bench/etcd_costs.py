@@ -34,7 +34,7 @@ import statistics
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 from resilient_comm.bench.control_plane import _cpu_s, _etcd, _own_member_first
 
@@ -123,20 +123,23 @@ def main(argv: list[str] | None = None) -> int:
         for pipe in pipes:
             if not pipe.poll(120) or pipe.recv() != "ready":
                 raise SystemExit("a client process did not start within 120 s")
-        cpids = [proc.pid for proc in procs]
+        cpids = [cast(int, proc.pid) for proc in procs]
+
+        def cpu() -> tuple[float, float]:  # (the members', the clients') CPU seconds so far
+            return sum(map(_cpu_s, spids)), sum(map(_cpu_s, cpids))
+
         for r in range(a.rounds):
             for kind in KINDS:
-                c0, d0, t0 = sum(map(_cpu_s, spids)), sum(_cpu_s(q) for q in cpids if q), time.monotonic()
-                if kind == "fan-out":
-                    key = f"cost/events/{r}"
+                key = f"cost/events/{r}"
+                if kind == "fan-out":  # every watcher waits for the key before the clock starts
                     for pipe in pipes:
                         pipe.send(("watch", kind, key))
                     for pipe in pipes:
                         assert pipe.recv() == "armed"
-                    c0, d0, t0 = sum(map(_cpu_s, spids)), sum(_cpu_s(q) for q in cpids if q), time.monotonic()
+                (c0, d0), t0 = cpu(), time.monotonic()
+                if kind == "fan-out":
                     admin.set(key, "x" * 200)
-                    got = sum(len(pipe.recv()) for pipe in pipes)
-                    n = max(1, got)
+                    n = max(1, sum(len(pipe.recv()) for pipe in pipes))
                 else:
                     for pipe in pipes:
                         pipe.send(("run", kind, a.requests // a.procs))
@@ -144,9 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                         assert pipe.recv() == "done"
                     n = a.requests // a.procs * a.procs
                 took = time.monotonic() - t0
-                etcd_ms = 1e3 * (sum(map(_cpu_s, spids)) - c0) / n
-                client_ms = 1e3 * (sum(_cpu_s(q) for q in cpids if q) - d0) / n
-                rows[kind].append((etcd_ms, client_ms, took))
+                c1, d1 = cpu()
+                rows[kind].append((1e3 * (c1 - c0) / n, 1e3 * (d1 - d0) / n, took))
             print(f"  round {r + 1} of {a.rounds} done", flush=True)
         for pipe in pipes:
             pipe.send(("quit", None, None))

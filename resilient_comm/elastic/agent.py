@@ -52,6 +52,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from resilient_comm.config import knob_s
 from resilient_comm.elastic.detector import WAITING, DetectorConfig, PeerView, silence_why, straggler_why
 from resilient_comm.elastic.etcd import PrefixWatch, jittered
 from resilient_comm.elastic.joins import JoinBatcher
@@ -63,26 +64,12 @@ log = logging.getLogger("resilient_comm.agent")
 ENV_AGENT = "RESILIENT_COMM_AGENT"  # path of the node agent's socket, in every worker's environment
 
 
-def _knob_s(name: str, least_ms: float) -> float:
-    """A millisecond knob, in seconds; at least `least_ms` (a clear ValueError otherwise)."""
-    from resilient_comm.config import knobs
-
-    value = next(k for k in knobs() if k.name == name).value
-    try:
-        ms = float(value)
-    except ValueError:
-        raise ValueError(f"{name}={value!r} is not a number") from None
-    if not ms >= least_ms or not ms > 0:
-        raise ValueError(f"{name} must be at least {least_ms:g} ms and positive, got {value!r}")
-    return ms / 1e3
-
-
 def node_heartbeat_s() -> float:
-    return _knob_s("RESILIENT_COMM_NODE_HEARTBEAT_MS", 0)
+    return knob_s("RESILIENT_COMM_NODE_HEARTBEAT_MS", 0)
 
 
 def node_lease_s() -> float:
-    return _knob_s("RESILIENT_COMM_NODE_LEASE_MS", 2000)  # etcd's shortest lease is about 2 s
+    return knob_s("RESILIENT_COMM_NODE_LEASE_MS", 2000)  # etcd's shortest lease is about 2 s
 
 
 @dataclass

@@ -68,7 +68,7 @@ def catch_up(m: Membership, rank: int, applied: int, base: Decision, record: Joi
 
 def join_wait_s(deadline: float) -> float:
     """How long a rank waits for its agent to answer its join (`catch_up`'s `via`): the agent
-    batches for `joins.join_window_s` and makes two store calls, slow ones under load; joining
+    batches for `joins.join_window_s`, then its store calls are slow ones under load; joining
     directly meanwhile would double the load it is there to save."""
     return max(1.0, min(30.0, deadline - time.monotonic()))
 

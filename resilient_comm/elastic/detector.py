@@ -225,7 +225,7 @@ class Detector:
         self._comm_s = 0.0
         self._stop = threading.Event()
         self._lost_reason: str | None = None
-        self._joins: dict[int, str] = {}  # applied -> the agent's answer to this rank's join
+        self._joins: dict[int, tuple[str, str]] = {}  # applied -> the agent's answer to this rank's join
         self._fenced = False
         self._threads = [threading.Thread(target=self._events_loop, name="rc-events", daemon=True),
                          threading.Thread(target=self._heartbeat_loop, name="rc-heartbeat", daemon=True)]
@@ -336,7 +336,7 @@ class Detector:
             log.warning("rank %d: the node agent did not answer its join within %g s: it joins by itself",
                         self.rank, timeout_s)
             return None
-        word, _, rest = answer.partition(" ")
+        word, rest = answer
         if word == "joined" and rest.isdigit():
             return "joined", rest
         if word == "joingone":
@@ -388,7 +388,7 @@ class Detector:
             applied, _, rest = rest.partition(" ")
             if applied.lstrip("-").isdigit():
                 with self._lock:
-                    self._joins[int(applied)] = f"{word} {rest}"
+                    self._joins[int(applied)] = (word, rest)
                     self._lock.notify_all()
             return
         if word == "fence":

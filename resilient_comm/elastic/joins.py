@@ -4,8 +4,8 @@ After a failure every surviving rank joins the next epoch (`agreement.catch_up`)
 that it was not reported gone, proposes the epoch and puts its join record. Done by each
 rank, that is a read and a transaction per rank per failure: at 16,384 ranks on etcd, 16,384
 transactions, and etcd's cost is mostly per transaction, not per key (measured on a 3-member
-cluster on this 2-core machine: 0.95 ms of etcd CPU for a transaction with one put, 1.8 ms
-with eight; benchmarks/README.md). So a worker sends its record to its node agent over the
+cluster on this 2-core machine: 0.92 ms of etcd CPU for a transaction with one put, 1.43 ms
+with eight; `resilient-comm bench etcd-costs`). So a worker sends its record to its node agent over the
 node-local socket (``join <record>``), and the agent's `JoinBatcher` writes the records of
 its node's workers together: one `Membership.propose_join` per node, once every worker it
 expects has sent its record, or `window_s` after the first. The gone check needs no read:
@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from resilient_comm.config import knob_s
 from resilient_comm.elastic.membership import JoinRecord, Membership
 
 log = logging.getLogger("resilient_comm.joins")
@@ -46,9 +47,7 @@ def join_window_s() -> float:
     """How long the agent holds a node's first join record for the others
     (``RESILIENT_COMM_JOIN_WINDOW_MS``, 50 ms; the batch goes as soon as every worker it
     expects has sent its own)."""
-    from resilient_comm.elastic.agent import _knob_s
-
-    return _knob_s(ENV_JOIN_WINDOW, 0)
+    return knob_s(ENV_JOIN_WINDOW, 0)
 
 
 Reply = Callable[[str], None]
