@@ -95,7 +95,7 @@ class EtcdStore(dist.Store):
     c10d client); `clone()` makes another on the same endpoints."""
 
     watches_keys = True  # Membership.watches: waits are bounded watches; records may hold leases
-    reads_prefixes = True  # Membership: one key per join record, read back by prefix (`items`)
+    reads_prefixes = True  # Membership: a node's join records under a key of their own, read back by prefix
 
     def __init__(self, endpoints: str | list[tuple[str, int]],
                  timeout: datetime.timedelta = datetime.timedelta(seconds=300)) -> None:
@@ -271,8 +271,12 @@ class EtcdStore(dist.Store):
 
     def items(self, prefix: str, page: int = 4096) -> list[tuple[str, bytes]]:
         """Every (key, value) under `prefix`, in key order, read at one revision in pages of
-        `page` keys (a decider's 16K join records: 4 requests)."""
-        out: list[tuple[str, bytes]] = []
+        `page` keys."""
+        return [(k, v) for k, v, _ in self.records(prefix, page)]
+
+    def records(self, prefix: str, page: int = 4096) -> list[tuple[str, bytes, int]]:
+        """`items`, each with the revision that last wrote it (which of two is the later)."""
+        out: list[tuple[str, bytes, int]] = []
         start, end, rev = prefix.encode(), _prefix_end(prefix), 0
         while True:
             payload: dict[str, Any] = {"key": _b64(start), "range_end": _b64(end), "limit": str(page)}
@@ -280,17 +284,23 @@ class EtcdStore(dist.Store):
                 payload["revision"] = str(rev)
             r = self._post("/kv/range", payload, f"read the keys under {prefix!r}")
             kvs = r.get("kvs") or []
-            out += [(_unb64(kv["key"]).decode(errors="replace"), _unb64(kv.get("value", ""))) for kv in kvs]
+            out += [(_unb64(kv["key"]).decode(errors="replace"), _unb64(kv.get("value", "")),
+                     int(kv.get("mod_revision", 0))) for kv in kvs]
             if not r.get("more") or not kvs:
                 return out
             rev = rev or int(r["header"]["revision"])
             start = _unb64(kvs[-1]["key"]) + b"\0"
 
-    def count(self, prefix: str) -> int:
-        """How many keys there are under `prefix` (one request; no values sent)."""
-        r = self._post("/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)),
-                                     "count_only": True}, f"count the keys under {prefix!r}")
-        return int(r.get("count", 0))
+    def keys_since(self, prefix: str, revision: int = 0) -> tuple[list[str], int]:
+        """The names of the keys under `prefix` written after `revision` (one request; no
+        values sent, and none of the keys an earlier call saw unless written again), and the
+        store's revision at the read: the `revision` of the next call."""
+        payload: dict[str, Any] = {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)), "keys_only": True}
+        if revision:
+            payload["min_mod_revision"] = str(revision + 1)
+        r = self._post("/kv/range", payload, f"list the keys under {prefix!r}")
+        return ([_unb64(kv["key"]).decode(errors="replace") for kv in r.get("kvs") or []],
+                int(r["header"]["revision"]))
 
     def advance(self, key: str, expected: str | bytes, desired: str | bytes,
                 also: list[tuple[str, str | bytes]]) -> tuple[bytes, bool]:
