@@ -10,7 +10,9 @@ The requests are the ones the control plane makes (`etcd.EtcdStore`, the JSON ga
     txn-1      `advance`: the epoch's compare-and-set with one join record, nested in another
                transaction's failure branch (each rank joining by itself)
     txn-8      the same with eight join records, one key each (a node agent's batch,
-               `joins.JoinBatcher`)
+               `joins.JoinBatcher`, until 2026-12-05)
+    txn-batch  the same with the eight records in one key (a node agent's batch now:
+               ``e/{E}/join/{first}.{n}``)
     get        a linearizable read of one key (a successor's record, a keepalive's proof)
     keepalive  one lease keepalive
     fan-out    one put streamed to ``--watchers`` watch streams (an event reaching every agent):
@@ -38,7 +40,7 @@ from typing import Any, cast
 
 from resilient_comm.bench.control_plane import _cpu_s, _etcd, _own_member_first
 
-KINDS = ("put", "txn-1", "txn-8", "get", "keepalive", "fan-out")
+KINDS = ("put", "txn-1", "txn-8", "txn-batch", "get", "keepalive", "fan-out")
 THREADS = 8
 
 
@@ -58,6 +60,8 @@ def _client(spec: str, idx: int, watchers: int, conn: Any) -> None:
         elif kind in ("txn-1", "txn-8"):
             k = 1 if kind == "txn-1" else 8
             s.advance("cost/epoch", "1", "2", [(f"{key}/{j}", record) for j in range(k)])
+        elif kind == "txn-batch":
+            s.advance("cost/epoch", "1", "2", [(f"{key}/0.8", record * 8)])
         elif kind == "get":
             s.value("cost/epoch")
         elif kind == "keepalive":
