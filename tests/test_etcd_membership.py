@@ -93,7 +93,7 @@ def test_a_recovering_member_proposes_and_joins_in_one_request(etcd: str) -> Non
 @pytest.mark.timeout(60)
 def test_a_nodes_batch_is_one_key_and_the_deciders_polls_list_only_what_is_new(etcd: str) -> None:
     """A node agent's batch of 8 records is one put of one key, `{first}.{n}` (a key per
-    record cost etcd 1.43 ms of CPU per node's transaction, not 0.92). While one is missing,
+    record cost etcd 1.34 ms of CPU per node's transaction, not 1.00). While one is missing,
     the decider's poll is one listing of key names, and a poll after one with nothing written
     meanwhile names no key (not the 2,048 a 16K-rank job has)."""
     m, sent = _member(etcd, "rc/b", token="job-secret")

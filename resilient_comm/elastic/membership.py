@@ -435,8 +435,9 @@ class Membership:
     def _batch_puts(self, epoch: int, records: list[JoinRecord]) -> list[tuple[str, str]]:
         """(`ranged`.) The keys and values that hold `records`: by rank, up to `_JOINS_PER_KEY`
         a key named for its lowest rank and its count. A node's batch is one put: at 16K ranks
-        a failure's joins cost etcd 2,048 one-put transactions (0.92 ms of its CPU each on this
-        machine, against 1.43 ms with a key per record), and the decider reads 2,048 values."""
+        a failure's joins cost etcd 2,048 one-put transactions (1.00 ms of its CPU each on this
+        machine, against 1.34 ms with a key per record: `bench etcd-costs`), and the decider
+        reads 2,048 values."""
         recs = sorted(records, key=lambda r: r.rank)
         out = []
         for i in range(0, len(recs), _JOINS_PER_KEY):
