@@ -305,6 +305,49 @@ def _etcd_agent(endpoint: str, ns: str, lease_s: float) -> tuple[Membership, Nod
 
 
 @pytest.mark.timeout(60)
+def test_a_successors_deleted_record_is_reported_at_once_not_at_the_next_read(etcd: str) -> None:
+    """On etcd a lost node's record goes when its lease expires, and its ring predecessor
+    read the record every third of the lease: up to 10 s late at a 30 s lease (1.7 s at 5 s).
+    Now a watch of the record (puts filtered out at the member) wakes the predecessor's lease
+    loop at the delete: its ranks are reported within a second, and the watch moves on."""
+    from resilient_comm.elastic.etcd import EtcdStore
+
+    m = Membership(EtcdStore(etcd, datetime.timedelta(seconds=10)), "rc/w")
+    agents = []
+    for n in range(2):
+        a = NodeAgent(m.clone(), n, 2, nproc=1, config=CFG, lease_s=30.0)
+        a.add(n, 0)
+        a.hello(n, CFG)
+        agents.append(a)
+    try:
+        for a in agents:
+            a.start()
+        a0 = agents[0]
+        deadline = time.monotonic() + 20
+        while not (a0._succ_view.seq >= 0 and a0.succ_watch is not None and a0.succ_watch.created.is_set()):
+            assert time.monotonic() < deadline, "node 0 never read node 1's record and watched it"
+            time.sleep(0.01)  # polling the agent's state with a deadline
+        assert a0.succ_watch.key == "rc/w/node/1"
+        agents[1]._stop.set()  # node 1's agent stops renewing (as a lost node's); the lease "expires":
+        t0 = time.monotonic()
+        assert m.store.delete_key("rc/w/node/1")  # type: ignore[attr-defined]
+        while not m.gone([1]):
+            assert time.monotonic() - t0 < 5.0, "node 1's loss was not reported within 5 s of its record's delete"
+            time.sleep(0.01)  # polling the store with a deadline
+        took = time.monotonic() - t0
+        assert took < 1.0, f"reported {took:.2f} s after the record was deleted (the read every 10 s, not the watch)"
+        g = m.gone([1])[1]
+        assert g.by == "agent 0" and "node 1's lease (30 s) expired" in g.detail, g
+        deadline = time.monotonic() + 5
+        while a0.succ_watch is not None:
+            assert time.monotonic() < deadline, f"the watch stayed on {a0.succ_watch.key!r}"
+            time.sleep(0.01)  # node 0 is alone on the ring now: it watches nothing
+    finally:
+        for a in agents:
+            a.stop()
+
+
+@pytest.mark.timeout(60)
 def test_a_slow_record_write_never_holds_up_the_lease_keepalive(etcd: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """During an etcd election a record's put can take seconds. The keepalive must not wait
     behind it: with a 2 s lease and every put after the first taking 3 s, the node stays

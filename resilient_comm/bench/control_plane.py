@@ -228,6 +228,7 @@ def _driver(spec: str, nodes: list[int], nnodes: int, per_node: int, hb_s: float
                 silent.add(arg)
                 if agents[arg].lease_s:
                     agents[arg]._stop.set()  # etcd: its lease thread stops renewing, as on a dead node
+                    agents[arg]._lease_wake.set()
                 conn.send(time.time())
             elif cmd == "collect":
                 with lock:

@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from resilient_comm.config import knob_s
 from resilient_comm.elastic.detector import WAITING, DetectorConfig, PeerView, silence_why, straggler_why
-from resilient_comm.elastic.etcd import PrefixWatch, jittered
+from resilient_comm.elastic.etcd import DeleteWatch, PrefixWatch, jittered
 from resilient_comm.elastic.joins import JoinBatcher
 from resilient_comm.elastic.membership import Gone, JoinRecord, Membership
 from resilient_comm.elastic.wire import MAX_LINE, ancestors, hello_line, parse_hello, peer_cred
@@ -159,6 +159,8 @@ class NodeAgent:
         self._events_thread: threading.Thread | None = None
         self._events_watch: PrefixWatch | None = None  # etcd: the events thread's watch stream
         self._lease_thread: threading.Thread | None = None
+        self._lease_wake = threading.Event()  # etcd: the lease loop's wait ends (stop, the successor's record deleted)
+        self.succ_watch: DeleteWatch | None = None  # etcd: the lease loop's watch of the successor's record
         self._fence_thread: threading.Thread | None = None
         self._register, self._unregister = register, unregister
         self._dir: str | None = None
@@ -538,6 +540,7 @@ class NodeAgent:
 
     def stop(self) -> None:
         self._stop.set()
+        self._lease_wake.set()
         # On a TCPStore the events thread blocks in a wait that only the store can end: it is
         # woken (`wake_event_waiters`). On etcd its watch is woken, unless the thread is
         # inside a store call retrying an unreachable store (10 s): a launcher whose store is
@@ -610,6 +613,7 @@ class NodeAgent:
         keeper: threading.Thread | None = None
         while not self._stop.is_set():
             t0 = time.monotonic()
+            self._lease_wake.clear()
             try:
                 if lease is None:
                     lease = store.grant(int(self.lease_s))
@@ -624,14 +628,30 @@ class NodeAgent:
                 with self._lock:
                     observers = list(self._observers)
                 self._watch_successor(m, observers, time.monotonic())
+                self._successor_watch(store, m)
             except dist.DistError as e:
                 if "lease not found" in str(e):  # an answer: the store let the lease expire
                     self._fence(f"node {self.node}'s lease expired on the store (its record was refused: {e})")
                     break  # a new lease would bring back a node the others may have decided without
                 log.warning("node %d: no store majority for %.1f s (%s)", self.node, time.monotonic() - self._last_ok, e)
-            self._stop.wait(max(0.0, jittered(period) - (time.monotonic() - t0)))
+            self._lease_wake.wait(max(0.0, jittered(period) - (time.monotonic() - t0)))
+        if self.succ_watch is not None:
+            self.succ_watch.close()
         if keeper is not None:
             keeper.join()
+
+    def _successor_watch(self, store: Any, m: Membership) -> None:
+        """etcd: the stream that wakes the lease loop when the successor's record is deleted
+        (its lease expired), moved to the new successor when the ring changes: the loss is
+        then read at once, not up to a third of the lease later."""
+        with self._lock:
+            succ = None if self._watched in self.gone_nodes else self._watched
+        key = None if succ is None else m.key("node", succ)
+        if self.succ_watch is not None and self.succ_watch.key != key:
+            self.succ_watch.close()
+            self.succ_watch = None
+        if self.succ_watch is None and key is not None:
+            self.succ_watch = DeleteWatch(store, key, self._lease_wake.set)
 
     def _fence_loop(self) -> None:
         """etcd: checks the lease on a thread that makes no store call. The loop's

@@ -668,13 +668,8 @@ class PrefixWatch:
             create = {"key": _b64(self._prefix), "range_end": _b64(_prefix_end(self._prefix)),
                       "start_revision": str(self._rev)}
             try:
-                # hasleader (gRPC metadata through the gateway): a member that loses its leader
-                # ends the stream, rather than holding it open with nothing new to send.
-                resp = c.session.post(c.get_url("/watch"), json={"create_request": create}, stream=True,
-                                      timeout=(REQUEST_TIMEOUT_S, None), headers={"Grpc-Metadata-hasleader": "true"})
-                self._resp = resp
+                self._resp = resp = _open_stream(c, create)
                 self.opened += 1
-                _keepalive(resp)
                 if self._closed.is_set():
                     break
                 for line in resp.iter_lines():
@@ -713,6 +708,78 @@ class PrefixWatch:
                 self.streamed_at.update((k, now) for k in puts)
                 self._cond.notify_all()
         return True
+
+
+class DeleteWatch:
+    """A watch stream on one key that calls `on_delete` when the key is deleted: a node
+    agent's watch of its ring successor's record, which etcd deletes when the node's lease
+    expires. The predecessor hears of the loss then, not at its next read of the record (every
+    third of the lease: at a 5 s lease up to 1.7 s later). The member filters the puts out
+    (NOPUT): the stream carries nothing while the record is renewed. It is opened again, on
+    the next endpoint, from the revision it had reached when it ends; it is a shortcut, not
+    the evidence: the predecessor's reads go on, and decide."""
+
+    def __init__(self, store: EtcdStore, key: str, on_delete: Callable[[], None]) -> None:
+        self._store = store.clone()  # its own clients: the stream holds one connection
+        self.key, self._on_delete = key, on_delete
+        self._closed = threading.Event()
+        self._resp: Any = None
+        self._rev = 0  # the next revision to stream (0: from now)
+        self.opened = 0  # streams opened
+        self.created = threading.Event()  # the first stream is watching
+        self._thread = threading.Thread(target=self._run, name="rc-etcd-delete-watch", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed.set()
+        resp = self._resp
+        if resp is not None:
+            with contextlib.suppress(Exception), _stream_socket(resp) as sock:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked reading the stream
+
+    def _run(self) -> None:
+        k = self._store._current
+        while not self._closed.is_set():
+            c = self._store._clients[k]
+            create: dict[str, Any] = {"key": _b64(self.key), "filters": ["NOPUT"]}
+            if self._rev:
+                create["start_revision"] = str(self._rev)
+            try:
+                self._resp = resp = _open_stream(c, create)
+                self.opened += 1
+                if self._closed.is_set():
+                    break
+                for line in resp.iter_lines():
+                    result = json.loads(line).get("result") if line.strip() else {}
+                    if not isinstance(result, dict) or result.get("canceled") or result.get("compact_revision"):
+                        break  # (compacted: the predecessor's next read finds what was missed)
+                    if result.get("created"):
+                        self._rev = self._rev or int(result["header"]["revision"]) + 1
+                        self.created.set()
+                    deleted = False
+                    for ev in result.get("events") or []:
+                        self._rev = max(self._rev, int((ev.get("kv") or {}).get("mod_revision", 0)) + 1)
+                        deleted |= ev.get("type") == "DELETE"
+                    if deleted:
+                        self._on_delete()
+            except Exception as e:  # noqa: BLE001 -- any failure of the stream: the next endpoint
+                log.debug("etcd watch of %r on %s:%d ended: %s", self.key, *self._store.endpoints[k], e)
+            finally:
+                if self._resp is not None:
+                    with contextlib.suppress(Exception):
+                        self._resp.close()
+            k = (k + 1) % len(self._store._clients)
+            self._closed.wait(0.2)  # between streams: an election, or a member going away
+
+
+def _open_stream(c: Any, create: dict[str, Any]) -> Any:
+    """A watch stream through a member's gateway (`c`: its etcd3gw client), TCP keepalive on.
+    hasleader (gRPC metadata through the gateway): a member that loses its leader ends the
+    stream, rather than holding it open with nothing new to send."""
+    resp = c.session.post(c.get_url("/watch"), json={"create_request": create}, stream=True,
+                          timeout=(REQUEST_TIMEOUT_S, None), headers={"Grpc-Metadata-hasleader": "true"})
+    _keepalive(resp)
+    return resp
 
 
 def _refusal(e: Exception) -> str:
@@ -759,4 +826,4 @@ def _prefix_end(prefix: str) -> bytes:
     return b"\0"
 
 
-__all__ = ["EtcdStore", "PrefixWatch", "jittered", "parse_endpoints"]
+__all__ = ["DeleteWatch", "EtcdStore", "PrefixWatch", "jittered", "parse_endpoints"]
