@@ -389,7 +389,8 @@ def test_the_events_watch_is_one_stream_and_a_stale_one_is_caught_by_a_read(
     reopening 1,024 of them was more load) the stream is reopened and the next key is
     streamed again. A set `stop` ends a wait within a second. The value a key was put
     with comes with it (`value`: an agent reads no event it was streamed)."""
-    from resilient_comm.elastic.etcd import EtcdStore, PrefixWatch
+    from resilient_comm.elastic.etcd import EtcdStore
+    from resilient_comm.elastic.watch import PrefixWatch
 
     store = EtcdStore(etcd, datetime.timedelta(seconds=10))
     ns = "rc/watch/events/"

@@ -45,7 +45,8 @@ THREADS = 8
 
 
 def _client(spec: str, idx: int, watchers: int, conn: Any) -> None:
-    from resilient_comm.elastic.etcd import EtcdStore, PrefixWatch
+    from resilient_comm.elastic.etcd import EtcdStore
+    from resilient_comm.elastic.watch import PrefixWatch
 
     st = EtcdStore(_own_member_first(spec, idx).removeprefix("etcd://"), datetime.timedelta(seconds=60))
     stores = [st.clone() for _ in range(THREADS)]

@@ -54,7 +54,8 @@ import torch.distributed as dist
 
 from resilient_comm.config import knob_s
 from resilient_comm.elastic.detector import WAITING, DetectorConfig, PeerView, silence_why, straggler_why
-from resilient_comm.elastic.etcd import DeleteWatch, PrefixWatch, jittered
+from resilient_comm.elastic.etcd import jittered
+from resilient_comm.elastic.watch import DeleteWatch, PrefixWatch
 from resilient_comm.elastic.joins import JoinBatcher
 from resilient_comm.elastic.membership import Gone, JoinRecord, Membership
 from resilient_comm.elastic.wire import MAX_LINE, ancestors, hello_line, parse_hello, peer_cred

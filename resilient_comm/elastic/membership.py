@@ -59,6 +59,7 @@ from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
+from resilient_comm.elastic.joinkeys import JoinTally, batch_name
 from resilient_comm.elastic.policy import Mesh
 
 T = TypeVar("T")
@@ -89,42 +90,6 @@ _ENTRY_RE = re.compile("\x1e([^\x1e\x1f]*)\x1f")
 
 def _chunks(keys: list[str]) -> list[list[str]]:
     return [keys[i:i + CHUNK_KEYS] for i in range(0, len(keys), CHUNK_KEYS)]
-
-
-def _batch_name(name: str) -> tuple[int, int]:
-    """(first rank, count) from a join key's name on etcd, ``"{first}.{n}"``; (-1, 0) if it
-    is not one."""
-    first, dot, n = name.partition(".")
-    if dot and first.isdigit() and n.isdigit() and len(first) <= 9 and len(n) <= 3 and int(n) > 0:
-        return int(first), int(n)
-    return -1, 0
-
-
-class _JoinTally:
-    """A decider's running count of an epoch's join records on etcd, from the keys' names
-    alone (each says how many records it holds): each poll lists only the keys written since
-    the last (`EtcdStore.keys_since`), so that at 16K ranks a poll costs what 2,048 names do
-    once, not a count of 16K keys every 33 ms. Once the names add up to the live members the
-    decider reads the records; if one is still missing (a rank counted in two keys, a
-    malformed key), not again until a key is written or a rank is found gone."""
-
-    def __init__(self, epoch: int) -> None:
-        self.epoch, self.revision = epoch, 0
-        self._counts: dict[str, int] = {}  # key -> records it holds, by its name
-        self._read_for: int | None = None  # live members at the last read that found one missing
-
-    def note(self, keys: list[str], revision: int) -> None:
-        for k in keys:
-            self._counts[k] = _batch_name(k.rpartition("/")[2])[1]
-        if keys:
-            self._read_for = None
-        self.revision = max(self.revision, revision)
-
-    def due(self, live: int) -> bool:
-        return sum(self._counts.values()) >= live and self._read_for != live
-
-    def read(self, live: int) -> None:
-        self._read_for = live
 
 
 _RANK_LISTS = ("members", "lost", "evicted", "joiners", "used_spares", "slots")
@@ -331,7 +296,7 @@ class Membership:
         self.ns = namespace.rstrip("/")
         self._token = os.environ.get(ENV_TOKEN, "") if token is None else token
         self._mac_key = hashlib.sha256(b"resilient_comm membership\0" + self._token.encode()).digest()
-        self._tally: _JoinTally | None = None  # (etcd) the decider's count of an epoch's join records
+        self._tally: JoinTally | None = None  # (etcd) the decider's count of an epoch's join records
 
     def clone(self, timeout: datetime.timedelta | None = None) -> Membership:
         """The same keys through a new connection (for another thread)."""
@@ -473,12 +438,12 @@ class Membership:
         polling of absent keys), then the groups read; a group whose key is there but not yet
         each live rank's entry (its node's workers append within milliseconds of each other)
         is read again every 5 ms within `wait_s`. On etcd (`ranged`) a listing of the keys
-        written since the last poll (each names how many records it holds: `_JoinTally`), and
+        written since the last poll (each names how many records it holds: `JoinTally`), and
         once they hold as many as there are live members, one read (the caller paces its
         polls)."""
         end = time.monotonic() + wait_s
         if self.ranged:  # etcd: the keys' names while some records are missing, then one read
-            tally = self._tally if self._tally is not None and self._tally.epoch == epoch else _JoinTally(epoch)
+            tally = self._tally if self._tally is not None and self._tally.epoch == epoch else JoinTally(epoch)
             self._tally = tally
             tally.note(*cast(Any, self.store).keys_since(self.key("e", epoch, "join") + "/", tally.revision))
             if not tally.due(len(live)):
@@ -519,7 +484,7 @@ class Membership:
         if self.ranged:
             prefix = self.key("e", epoch, "join") + "/"
             for key, v, rev in cast(Any, self.store).records(prefix):
-                first, n = _batch_name(key[len(prefix):])
+                first, n = batch_name(key[len(prefix):])
                 text = v.decode(errors="replace")
                 found = _ENTRY_RE.findall(text)
                 if first < 0 or len(found) != n or text.count(_ENTRY) != n:
