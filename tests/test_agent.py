@@ -327,21 +327,19 @@ def test_a_successors_deleted_record_is_reported_at_once_not_at_the_next_read(et
         while not (a0._succ_view.seq >= 0 and a0.succ_watch is not None and a0.succ_watch.created.is_set()):
             assert time.monotonic() < deadline, "node 0 never read node 1's record and watched it"
             time.sleep(0.01)  # polling the agent's state with a deadline
-        assert a0.succ_watch.key == "rc/w/node/1"
+        watch = a0.succ_watch
+        assert watch.key == "rc/w/node/1"
         agents[1]._stop.set()  # node 1's agent stops renewing (as a lost node's); the lease "expires":
         t0 = time.monotonic()
         assert m.store.delete_key("rc/w/node/1")  # type: ignore[attr-defined]
-        while not m.gone([1]):
-            assert time.monotonic() - t0 < 5.0, "node 1's loss was not reported within 5 s of its record's delete"
-            time.sleep(0.01)  # polling the store with a deadline
+        reported = m.store.wait_for("rc/w/gone/1", 5.0)  # type: ignore[attr-defined]
+        assert reported, "node 1's loss was not reported within 5 s of its record's delete"
         took = time.monotonic() - t0
         assert took < 1.0, f"reported {took:.2f} s after the record was deleted (the read every 10 s, not the watch)"
         g = m.gone([1])[1]
         assert g.by == "agent 0" and "node 1's lease (30 s) expired" in g.detail, g
-        deadline = time.monotonic() + 5
-        while a0.succ_watch is not None:
-            assert time.monotonic() < deadline, f"the watch stayed on {a0.succ_watch.key!r}"
-            time.sleep(0.01)  # node 0 is alone on the ring now: it watches nothing
+        watch._thread.join(timeout=5)  # node 0 is alone on the ring now: it watches nothing
+        assert not watch._thread.is_alive() and a0.succ_watch is None, "the watch stayed on node 1's record"
     finally:
         for a in agents:
             a.stop()

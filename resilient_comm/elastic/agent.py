@@ -649,8 +649,8 @@ class NodeAgent:
             succ = None if self._watched in self.gone_nodes else self._watched
         key = None if succ is None else m.key("node", succ)
         if self.succ_watch is not None and self.succ_watch.key != key:
-            self.succ_watch.close()
-            self.succ_watch = None
+            old, self.succ_watch = self.succ_watch, None
+            old.close()
         if self.succ_watch is None and key is not None:
             self.succ_watch = DeleteWatch(store, key, self._lease_wake.set)
 
