@@ -27,14 +27,17 @@ class CMakeExtension(Extension):
 class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
         try:
-            import torch  # noqa: F401
+            import torch
         except ImportError:
             sys.exit(
-                "resilient_comm builds against an installed torch: run `pip install torch==2.13.0` first, "
+                "resilient_comm builds against an installed torch: run `pip install torch==2.14.1` first, "
                 "then `pip install --no-build-isolation -e .`"
             )
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
-        build_dir = ROOT / "build" / f"py{sys.version_info.major}{sys.version_info.minor}"
+        # One build tree per Python and torch: a venv with another torch never reuses objects
+        # compiled against the wrong headers.
+        torch_version = torch.__version__.split("+")[0]
+        build_dir = ROOT / "build" / f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch_version}"
         build_dir.mkdir(parents=True, exist_ok=True)
         cfg = ["-DCMAKE_BUILD_TYPE=Release", f"-DPython3_EXECUTABLE={sys.executable}",
                f"-DRESILIENT_COMM_PY_OUTPUT_DIR={out_dir}"]

@@ -85,6 +85,9 @@ def _creator(backend_name: str):
             dist_opts.group_size,
             dist_opts.timeout.total_seconds(),
             str(dist_opts.group_id),
+            # torch >= 2.14: init_process_group(..., enable_reconfigure=True) connects nothing
+            # until the first dist._reconfigure (docs/reconfigure.md).
+            bool(getattr(dist_opts, "enable_reconfigure", False)),
         )
         for hook in list(_Creation.hooks):
             hook(backend)

@@ -1,4 +1,4 @@
-"""The `resilient-comm` command: demo, bench {checkpoint,collectives,control-plane,etcd-costs,nccl,overhead,primitives,recovery}, chaos, sim, doctor."""
+"""The `resilient-comm` command: demo, bench {checkpoint,collectives,control-plane,etcd-costs,nccl,overhead,primitives,reconfigure,recovery}, chaos, sim, doctor."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def _bench(argv: list[str]) -> int:
         "nccl": "resilient_comm.bench.nccl_path",
         "overhead": "resilient_comm.bench.overhead",
         "primitives": "resilient_comm.bench.primitives",
+        "reconfigure": "resilient_comm.bench.reconfigure",
         "recovery": "resilient_comm.bench.recovery",
     }
     if not argv or argv[0] not in suites:

@@ -1,23 +1,41 @@
 #!/usr/bin/env bash
-# Idempotent set-up of a development environment on a fresh machine: a venv in .venv, the
-# CPU build of torch 2.13.0, the test tools, and resilient_comm built in place against that
-# torch (CMake, no build isolation). Re-running it only rebuilds what changed.
+# Idempotent set-up of a development environment on a fresh machine: a venv, an exactly pinned
+# torch, the test tools, and resilient_comm built in place against that torch (CMake, no build
+# isolation). Re-running it only rebuilds what changed.
+#
+#   bash scripts/setup.sh                                  # .venv, torch 2.14.1 (the default)
+#   RESILIENT_COMM_TORCH=2.13.0 bash scripts/setup.sh      # .venv-torch2.13.0, torch 2.13.0
+#
+# RESILIENT_COMM_TORCH picks the torch: 2.14.1 (PyPI's default Linux wheel, cu130, ~5.5 GB with
+# its CUDA libraries; it imports and runs on CPU) or 2.13.0 (the CPU wheel). RESILIENT_COMM_VENV
+# names the venv (default: .venv for the default torch, .venv-torch<version> for another).
+# The extension is built in place (resilient_comm/_C*.so), so the last venv set up is the one
+# whose build the source tree holds: re-run this script to switch back.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  echo "[setup] creating .venv with $($PY --version)"
-  "$PY" -m venv .venv
-fi
-VPY=.venv/bin/python
+DEFAULT_TORCH=2.14.1
+TORCH_VERSION=${RESILIENT_COMM_TORCH:-$DEFAULT_TORCH}
+case "$TORCH_VERSION" in
+  2.14.1 | 2.13.0) ;;
+  *) echo "[setup] RESILIENT_COMM_TORCH=$TORCH_VERSION: supported are 2.14.1 (default) and 2.13.0" >&2; exit 2 ;;
+esac
+if [ "$TORCH_VERSION" = "$DEFAULT_TORCH" ]; then VENV=${RESILIENT_COMM_VENV:-.venv}; else VENV=${RESILIENT_COMM_VENV:-.venv-torch$TORCH_VERSION}; fi
 
-# Pin torch exactly: a bare `torch` would pull a multi-GB CUDA build.
-if ! "$VPY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null; then
-  echo "[setup] installing torch==2.13.0"
-  "$VPY" -m pip install --quiet --disable-pip-version-check torch==2.13.0
+PY=${PYTHON:-python3}
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV with $($PY --version)"
+  "$PY" -m venv "$VENV"
 fi
-"$VPY" -m pip install --quiet --disable-pip-version-check "setuptools>=64" wheel cmake ninja "pytest>=7" "pytest-timeout>=2" numpy matplotlib nvidia-nccl-cu12 "etcd3gw>=2.4" "prometheus_client>=0.17"
+VPY=$VENV/bin/python
+PIP=("$VPY" -m pip install --quiet --disable-pip-version-check)
+
+# Pin torch exactly: a bare `torch` lets pip pick any version (and a multi-GB download).
+if ! "$VPY" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$TORCH_VERSION' else 1)" 2>/dev/null; then
+  echo "[setup] installing torch==$TORCH_VERSION into $VENV (2.14.1: ~5.5 GB, a few minutes)"
+  "${PIP[@]}" "torch==$TORCH_VERSION"
+fi
+"${PIP[@]}" "setuptools>=64" wheel cmake ninja "pytest>=7" "pytest-timeout>=2" numpy matplotlib nvidia-nccl-cu12 "etcd3gw>=2.4" "prometheus_client>=0.17"
 
 # etcd (the multi-node membership) for the tests that run nodes in network namespaces; as
 # root on Debian/Ubuntu it comes from the etcd-server package. Without it those tests skip.
@@ -32,6 +50,9 @@ if ! command -v etcd >/dev/null 2>&1; then
   fi
 fi
 
-echo "[setup] building resilient_comm (CMake against the installed torch)"
-"$VPY" -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e .
-"$VPY" -c 'import resilient_comm; print("[setup] ok: resilient_comm", resilient_comm.__version__)'
+echo "[setup] building resilient_comm (CMake against torch $TORCH_VERSION)"
+# The in-place extension may be another venv's build (same file name for every torch): drop it,
+# so that this torch's build tree relinks it (seconds when its objects are current).
+rm -f resilient_comm/_C.*.so
+"${PIP[@]}" --no-build-isolation --no-deps -e .
+"$VPY" -c 'import resilient_comm, torch; print("[setup] ok: resilient_comm", resilient_comm.__version__, "on torch", torch.__version__)'

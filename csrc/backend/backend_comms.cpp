@@ -21,9 +21,10 @@ namespace resilient_comm {
 using c10d::OpType;
 
 std::shared_ptr<Communicator> ResilientBackend::commFor(const std::vector<at::Tensor>& tensors, const char* op) {
+  checkConfigured(op);
   const at::Device dev = tensors.front().device();
   if (dev.is_cpu() && !emulate_) {
-    return cpu_;
+    return cpuComm();
   }
   return deviceCommFor(dev, op);
 }
@@ -71,14 +72,17 @@ Result<ResilientBackend::NcclRuntime> ResilientBackend::ncclRuntime(const at::De
 Result<std::shared_ptr<Communicator>> ResilientBackend::makeNccl(const at::Device& dev) {
   NcclRuntime rt;
   RC_ASSIGN_OR_RETURN(rt, ncclRuntime(dev));
-  nccl::NcclOptions o{opts_.groupName, store_, "resilient_comm_nccl/" + opts_.groupName + "/", rank_, size_};
+  nccl::NcclOptions o{opts_.groupName, store_, "resilient_comm_nccl/" + opts_.groupName + "/" + configTag_, rank_,
+                      size_};
   std::shared_ptr<nccl::NcclCommunicator> comm;
   RC_ASSIGN_OR_RETURN(comm, nccl::NcclCommunicator::create(rt.api, rt.streams, std::move(o), Deadline::after(timeout_)));
   return std::shared_ptr<Communicator>(comm);
 }
 
 Result<std::shared_ptr<Communicator>> ResilientBackend::makeHccl(const at::Device& dev) {
-  return hccl::createHcclCommunicator(store_, opts_.groupName, rank_, size_, Deadline::after(timeout_), dev.index());
+  // After a reconfigure its bootstrap keys are the configuration's (configTag_), as NCCL's.
+  const std::string name = configTag_.empty() ? opts_.groupName : opts_.groupName + "/" + configTag_.substr(0, configTag_.size() - 1);
+  return hccl::createHcclCommunicator(store_, name, rank_, size_, Deadline::after(timeout_), dev.index());
 }
 
 c10::intrusive_ptr<ResilientBackend> ResilientBackend::join(const c10::intrusive_ptr<c10d::Store>& store,
@@ -197,8 +201,10 @@ void ResilientBackend::handDevice(ResilientBackend* child, Result<std::shared_pt
 c10::intrusive_ptr<c10d::Backend> ResilientBackend::shrink(const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
                                                            const c10::intrusive_ptr<Options>& optsOverride) {
   std::vector<int> exclude(ranksToExclude.begin(), ranksToExclude.end());
-  bool afterError = (shrinkFlags & 1) != 0 || !cpu_->error().isOk();
-  auto child = adopt(cpu_->shrink(exclude, afterError, Deadline::after(timeout_)), "shrink",
+  checkConfigured("shrink");
+  auto host = cpuComm();
+  bool afterError = (shrinkFlags & 1) != 0 || !host->error().isOk();
+  auto child = adopt(host->shrink(exclude, afterError, Deadline::after(timeout_)), "shrink",
                      opts_.groupName + ":shrunk");
   auto [device, dev] = deviceSnapshot();
   if (device) {  // the group has carried device tensors: shrink its NCCL/HCCL communicator too
@@ -218,7 +224,8 @@ c10::intrusive_ptr<c10d::Backend> ResilientBackend::split(const c10::intrusive_p
 
 c10::intrusive_ptr<ResilientBackend> ResilientBackend::splitByColor(int color, int key) {
   auto out = std::make_shared<Result<std::shared_ptr<Communicator>>>(Status(StatusCode::kInternal, "not run"));
-  auto work = enqueue(cpu_, OpType::UNKNOWN, "split", {}, timeout_, false, [out, color, key](Communicator& c, const Deadline& dl) {
+  checkConfigured("split");
+  auto work = enqueue(cpuComm(), OpType::UNKNOWN, "split", {}, timeout_, false, [out, color, key](Communicator& c, const Deadline& dl) {
     *out = c.split(color, key, dl);
     return out->isOk() ? Status::ok() : out->status();
   });
@@ -239,7 +246,8 @@ c10::intrusive_ptr<ResilientBackend> ResilientBackend::splitByColor(int color, i
 c10::intrusive_ptr<ResilientBackend> ResilientBackend::grow(int newSize, const c10::intrusive_ptr<c10d::Store>& store,
                                                             const std::string& joinKey) {
   const Deadline dl = Deadline::after(timeout_);
-  auto child = adopt(cpu_->grow(newSize, store, joinKey, dl), "grow", kGrownPrefix + joinKey);
+  checkConfigured("grow");
+  auto child = adopt(cpuComm()->grow(newSize, store, joinKey, dl), "grow", kGrownPrefix + joinKey);
   child->store_ = store;  // the joiners know this store, not the one the group was made with
   auto [device, dev] = deviceSnapshot();
   // An NCCL communicator grows with the group (ncclCommGrow, or a fresh init where the library

@@ -531,7 +531,8 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::barrier(const c10d::BarrierOpti
   if (device) {
     return launchOnDevice(device, OpType::BARRIER, "barrier", {}, opts.timeout, body, /*hostWaits=*/true);
   }
-  return enqueue(cpu_, OpType::BARRIER, "barrier", {}, opts.timeout, !opts.asyncOp, body);
+  checkConfigured("barrier");
+  return enqueue(cpuComm(), OpType::BARRIER, "barrier", {}, opts.timeout, !opts.asyncOp, body);
 }
 
 c10::intrusive_ptr<c10d::Work> ResilientBackend::recvAnysource(std::vector<at::Tensor>&, int) {

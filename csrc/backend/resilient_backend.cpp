@@ -13,6 +13,7 @@
 #include "common/check.h"
 #include "transport/nccl/emulator/nccl_emulator.h"
 #include "transport/tcp/tcp_communicator.h"
+#include "backend/unconfigured.h"
 #include "watchdog/reaper.h"
 
 namespace resilient_comm {
@@ -48,6 +49,14 @@ std::vector<c10::Device> futureDevices(const std::vector<at::Tensor>& outputs) {
 ResilientBackend::ResilientBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size, BackendOptions opts)
     : c10d::Backend(rank, size), opts_(std::move(opts)), timeout_(opts_.timeout), emulate_(emulating(opts_.backendName)) {
   store_ = store;
+  if (opts_.enableReconfigure) {
+    // The reconfigure regime: nothing is connected until the first reconfigure (which builds
+    // from the handles alone); until then ops are refused (checkConfigured).
+    configured_ = false;
+    cpu_ = unconfiguredCommunicator(opts_.groupName, rank, size);
+    startWorker();
+    return;
+  }
   tcp::TcpOptions t;
   t.name = opts_.groupName;
   t.store = std::move(store);
@@ -80,7 +89,7 @@ ResilientBackend::~ResilientBackend() {
     stopping_ = true;
     busy = !queue_.empty();
   }
-  if (busy || cpu_->state() == CommState::kInitializing) {
+  if (busy || cpuComm()->state() == CommState::kInitializing) {
     abortWithReason("process group destroyed with operations pending");
   }
   cv_.notify_all();
@@ -121,19 +130,22 @@ void ResilientBackend::abort() {
 }
 
 void ResilientBackend::abortWithReason(const std::string& reason) {
-  abortComm(cpu_, reason);
+  hooks_->run(reason);
   std::shared_ptr<Communicator> device;
+  std::shared_ptr<Communicator> host;
   {
     std::lock_guard<std::mutex> lock(mu_);
     device = device_;
+    host = cpu_;
   }
+  abortComm(host, reason);
   if (device) {
     abortComm(device, reason);
   }
 }
 
 Status ResilientBackend::commError() const {
-  Status st = cpu_->error();
+  Status st = cpuComm()->error();
   if (!st.isOk()) {
     return st;
   }
@@ -177,7 +189,8 @@ void ResilientBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool w
       ops.push_back(P2POp{P2POp::Kind::kRecv, p, bytes->data() + p, 1, kTag});
     }
   }
-  auto work = enqueue(cpu_, OpType::BARRIER, "monitored_barrier", {}, timeout, false,
+  checkConfigured("monitored_barrier");
+  auto work = enqueue(cpuComm(), OpType::BARRIER, "monitored_barrier", {}, timeout, false,
                       [this, ops, bytes](Communicator& c, const Deadline& dl) {
                         Status st = c.sendRecv(rank_ == 0 ? ops : std::vector<P2POp>{P2POp{
                                                                        P2POp::Kind::kSend, 0, bytes->data(), 1, kTag}},
@@ -207,7 +220,7 @@ void ResilientBackend::shutdown() {
 }
 
 uint64_t ResilientBackend::getSequenceNumberForGroup() {
-  return cpu_->nextSeq();
+  return cpuComm()->nextSeq();
 }
 
 CommErrorInfo ResilientBackend::site(const char* op) const {
@@ -244,8 +257,9 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::push(std::shared_ptr<Communicat
   Deadline dl = Deadline::after(timeout);
   std::string why = std::string(opName) + " did not finish within " + std::to_string(timeout.count()) +
                     " ms (watchdog)";
-  Watchdog::Id id = Watchdog::instance().watch(dl, [work, comm, why] {
+  Watchdog::Id id = Watchdog::instance().watch(dl, [work, comm, why, hooks = hooks_] {
     work->complete(Status(StatusCode::kTimeout, why));
+    hooks->run(why);
     abortCommNoWait(comm, why);
   });
   Task task{comm, work, dl, std::move(body), p2p, id};
@@ -404,10 +418,11 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::launchOnDevice(std::shared_ptr<
   }
   std::string why = std::string(opName) + " did not finish within " + std::to_string(timeout.count()) +
                     " ms (watchdog)";
-  Watchdog::Id id = Watchdog::instance().watch(dl, [followers, comm, why] {
+  Watchdog::Id id = Watchdog::instance().watch(dl, [followers, comm, why, hooks = hooks_] {
     for (auto& w : followers) {
       w->complete(Status(StatusCode::kTimeout, why));
     }
+    hooks->run(why);
     abortCommNoWait(comm, why);
   });
   for (auto& w : followers) {
@@ -486,7 +501,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::endCoalescing() {
         },
         /*hostWaits=*/false, std::move(followers));
   }
-  auto all = makeWork(cpu_, OpType::COALESCED, "coalesced", {});
+  auto all = makeWork(cpuComm(), OpType::COALESCED, "coalesced", {});
   if (host.empty()) {
     all->complete(Status::ok());
     return all;
@@ -559,6 +574,7 @@ void ResilientBackend::workerLoop() {
       std::lock_guard<std::mutex> lock(mu_);
       running_ = false;
     }
+    cv_.notify_all();  // a reconfigure may wait for the running op to end (supersede)
   }
 }
 

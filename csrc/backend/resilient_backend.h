@@ -27,9 +27,11 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -48,6 +50,10 @@ class NcclApi;
 namespace device {
 class StreamOps;
 }
+namespace tcp {
+class Listener;
+class TcpCommunicator;
+}  // namespace tcp
 
 // A grown group's name: kGrownPrefix + the join key, on members and joiners alike.
 inline constexpr const char* kGrownPrefix = "grown:";
@@ -60,6 +66,24 @@ struct BackendOptions {
   std::string backendName;  // "resilient_tcp" or "resilient_nccl"
   std::string groupName;
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+  // torch's init_process_group(..., enable_reconfigure=True): the group connects nothing until
+  // its first reconfigure() (backend_reconfigure.cpp); ops before it are refused.
+  bool enableReconfigure = false;
+};
+
+// Abort hooks registered through torch (registerAbortHook, torch >= 2.14), shared with the
+// watchdog's callbacks, which may outlive a call into the backend. Each abort of the group runs
+// every hook once, on the aborting thread, before the communicators are aborted; a hook that
+// throws is logged and the rest still run.
+class AbortHooks {
+ public:
+  void add(int64_t id, std::function<void()> hook);
+  void remove(int64_t id);
+  void run(const std::string& why);
+
+ private:
+  std::mutex mu_;
+  std::map<int64_t, std::function<void()>> hooks_;
 };
 
 class ResilientBackend : public c10d::Backend {
@@ -86,6 +110,37 @@ class ResilientBackend : public c10d::Backend {
   }
   bool supportsCoalescing() const override {
     return true;
+  }
+#ifdef C10D_BACKEND_HAS_RECONFIGURE
+  // torch's reconfigure API (backend_reconfigure.cpp; [Note: reconfigure handles] in
+  // reconfigure_plan.h): a handle naming this process's endpoint, and a reconfigure that
+  // shrinks the current communicator when the handles allow it, else builds a fresh one.
+  bool supportsReconfigure() const override {
+    return true;
+  }
+  c10d::ReconfigureHandle get_reconfigure_handle() const override;
+  c10::intrusive_ptr<c10d::Work> reconfigure(const c10d::ReconfigureOptions& opts) override;
+#endif
+#ifdef C10D_BACKEND_HAS_HOOKS
+  void registerAbortHook(int64_t hookId, c10d::AbortHook hook) override {
+    hooks_->add(hookId, std::move(hook));
+  }
+  void unregisterAbortHook(int64_t hookId) override {
+    hooks_->remove(hookId);
+  }
+#endif
+#ifdef C10D_BACKEND_HAS_RECONFIGURE
+  // reconfigure() with its options unpacked: `handles` a list (`ordered`) or a set; timeout < 0:
+  // the group's; `forceFresh` (hint resilient_comm.path=fresh): never the shrink fast path.
+  c10::intrusive_ptr<c10d::Work> reconfigureWith(int64_t uuid, const std::vector<std::string>& handles, bool ordered,
+                                                 std::chrono::milliseconds timeout, bool forceFresh = false);
+  std::string reconfigureHandle() const;
+#endif
+  // The kind of the last reconfigure's plan ("shrink" or "fresh", then "+fallback" where a
+  // shrink failed and the members built afresh); empty before any.
+  std::string lastReconfigure() const;
+  void addAbortHook(int64_t hookId, std::function<void()> hook) {
+    hooks_->add(hookId, std::move(hook));
   }
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
@@ -130,7 +185,9 @@ class ResilientBackend : public c10d::Backend {
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override;
   // The first error of the group's communicators (host, then device), or Ok.
   Status commError() const;
+  // The host communicator (TCP); a reconfigure replaces it.
   std::shared_ptr<Communicator> cpuComm() const {
+    std::lock_guard<std::mutex> lock(mu_);
     return cpu_;
   }
   // The device communicator, if one was made (for tests).
@@ -210,9 +267,38 @@ class ResilientBackend : public c10d::Backend {
   void handDevice(ResilientBackend* child, Result<std::shared_ptr<Communicator>> r, const at::Device& dev,
                   const char* move) const;
 
+  // Fails the queued ops and stops the running one (aborting `old`), for a reconfigure; then
+  // nothing runs on the group until the caller swaps its communicators.
+  void supersede(const std::shared_ptr<Communicator>& old, const std::string& why);
+  // The communicator this process last built (shrinkable, its listener reused), or null;
+  // rcMu_ held.
+  std::shared_ptr<tcp::TcpCommunicator> refreshBase() const;
+  // Fixes handle_ (and what it names) if it is not yet; rcMu_ held.
+  void fixHandle() const;
+  // Throws for an op on a group in the reconfigure regime that has not been configured yet.
+  void checkConfigured(const char* op) const;
+
   const BackendOptions opts_;
   std::chrono::milliseconds timeout_;
-  std::shared_ptr<Communicator> cpu_;
+  std::shared_ptr<Communicator> cpu_;  // guarded by mu_ where a reconfigure may replace it
+  std::shared_ptr<AbortHooks> hooks_ = std::make_shared<AbortHooks>();
+  // Reconfigure state, guarded by rcMu_ (a reconfigure at a time).
+  std::atomic<bool> configured_{true};  // false from enable_reconfigure until the first reconfigure
+  mutable std::mutex rcMu_;
+  mutable std::shared_ptr<tcp::TcpCommunicator> base_;  // see refreshBase()
+  mutable std::set<uint64_t> replaced_;                 // identities of former bases
+  mutable std::shared_ptr<tcp::Listener> ownListener_;  // where no base has one
+  mutable std::string ownAddr_;
+  // The handle handed out (and the base and listener it names), fixed until the next
+  // reconfigure; empty until asked for.
+  mutable std::string handle_;
+  mutable std::shared_ptr<tcp::TcpCommunicator> handleBase_;
+  mutable std::shared_ptr<tcp::Listener> handleListener_;
+  std::set<int64_t> uuids_;
+  // Names the device communicator's bootstrap keys per configuration ("" before any
+  // reconfigure, then "u<uuid>/"): every member of a reconfigure has the same; guarded by mu_.
+  std::string configTag_;
+  std::string lastPlan_;  // guarded by mu_ (a fallback sets it from the worker)
   c10::intrusive_ptr<c10d::Store> store_;  // for the NCCL communicator's bootstrap
   // The device communicator (NCCL for resilient_nccl's CUDA tensors, HCCL for
   // resilient_hccl's NPU tensors), made on first use; guarded by mu_.

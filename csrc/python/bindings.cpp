@@ -25,10 +25,12 @@ namespace {
 
 c10::intrusive_ptr<ResilientBackend> createBackend(const std::string& backendName,
                                                    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                                   double timeoutSeconds, const std::string& groupName) {
+                                                   double timeoutSeconds, const std::string& groupName,
+                                                   bool enableReconfigure) {
   BackendOptions opts;
   opts.backendName = backendName;
   opts.groupName = groupName;
+  opts.enableReconfigure = enableReconfigure;
   opts.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000.0));
   return c10::make_intrusive<ResilientBackend>(store, rank, size, std::move(opts));
 }
@@ -127,6 +129,8 @@ PYBIND11_MODULE(_C, m) {
             }
           },
           py::arg("tensor"), py::arg("iters"))
+      .def("last_reconfigure", &ResilientBackend::lastReconfigure,
+           "the last reconfigure's path: 'shrink', 'fresh' or 'shrink+fallback'; '' before any")
       .def("get_error", &ResilientBackend::getError,
            "c10d's ErrorType of the group's first error (its host or device communicator's); torch binds "
            "Backend.get_error only in CUDA builds")
@@ -154,7 +158,7 @@ PYBIND11_MODULE(_C, m) {
            "it is not TCP");
 
   m.def("create_backend", &createBackend, py::arg("backend_name"), py::arg("store"), py::arg("rank"),
-        py::arg("size"), py::arg("timeout_seconds"), py::arg("group_name"));
+        py::arg("size"), py::arg("timeout_seconds"), py::arg("group_name"), py::arg("enable_reconfigure") = false);
 
   m.def(
       "join_backend",

@@ -8,6 +8,8 @@
   bare communicator and against gloo.
 - :mod:`~resilient_comm.bench.primitives`: init, abort, shrink (against a full re-init), split
   and grow latency, measured by the C++ program in benchmarks/cpp.
+- :mod:`~resilient_comm.bench.reconfigure`: SIGKILL to the first correct all_reduce through
+  torch's own reconfigure API (torch >= 2.14) on gloo, resilient_tcp and the NCCL emulator.
 - :mod:`~resilient_comm.bench.recovery`: SIGKILL to the first committed step with the elastic
   controller, against a torchrun restart from checkpoint.
 """

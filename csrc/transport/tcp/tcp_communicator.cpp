@@ -130,6 +130,8 @@ void TcpCommunicator::runBuild(const Deadline& dl) {
   Status st = opts_.size == 1 ? Status::ok() : plan_(*this, dl);
   if (!st.isOk()) {
     endLinks();
+  } else if (listener_ && static_cast<int>(addrs_.size()) == opts_.size) {
+    builtOk_.store(true);
   }
   // mu_ across the transition and the shutdown: a derive() that adopts sockets sees either a
   // build still running or every socket already shut.
@@ -426,6 +428,10 @@ Status TcpCommunicator::fail(const Status& st, const std::string& where) {
 
 // Ok once this communicator's own build finished with an address book, even if it failed or
 // was aborted since: shrink and grow need only the book and the listener.
+bool TcpCommunicator::everBuilt() const {
+  return builtOk_.load();
+}
+
 Status TcpCommunicator::built(const Deadline& dl) {
   Status st = ready(dl);
   if (st.isOk()) {

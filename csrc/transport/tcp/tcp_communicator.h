@@ -128,6 +128,22 @@ class TcpCommunicator : public CommLifecycle, public std::enable_shared_from_thi
   // Peers whose large payloads go through shared memory (shm.h), by rank in this group.
   std::vector<int> shmPeers() const;
 
+  // What torch's reconfigure API (backend_reconfigure.cpp) needs of a communicator that may be
+  // shrunk or whose listener a new communicator reuses. Valid once built() succeeded
+  // (`everBuilt()`): the build's results are read-only from then on.
+  // Every member's identity is the same for one communicator (its epoch's hash, as on the wire).
+  uint64_t identity() const {
+    return meshHash();
+  }
+  // The build finished once (it may have failed since): the address book and listener are set.
+  bool everBuilt() const;
+  const std::vector<std::string>& addressBook() const {
+    return addrs_;
+  }
+  const std::shared_ptr<Listener>& listener() const {
+    return listener_;
+  }
+
   // The algorithm the cost model picks (for tests and benchmarks).
   Algo chooseAlgo(OpKind op, size_t bytes) const {
     return model_.choose(op, bytes, opts_.size);
@@ -195,6 +211,7 @@ class TcpCommunicator : public CommLifecycle, public std::enable_shared_from_thi
   Deadline buildDl_ = Deadline::never();
   std::atomic<bool> buildClaimed_{false};
   std::atomic<int> reused_{0};
+  std::atomic<bool> builtOk_{false};  // the build succeeded: addrs_ and listener_ are final
   uint64_t parent_ = 0;  // a shrink after an error: the hash of the parent whose streams it took
 
   // Set by the build before Ready; read-only afterwards.

@@ -1,0 +1,373 @@
+"""torch's own fault-tolerance API (torch >= 2.14) on our backends, through torch's public API
+only: ``init_process_group(..., enable_reconfigure=True)``, ``dist._get_reconfigure_handle``,
+``dist._reconfigure``. Every case ends with an all_reduce checked against its expected value.
+
+Handles are exchanged through the test's TCPStore (any out-of-band channel will do: the handles
+are all the backend needs). Each case runs on resilient_tcp and on resilient_nccl over the NCCL
+emulator (RESILIENT_COMM_NCCL_EMULATE=1: CPU tensors on the NCCL code path).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from resilient_comm.testing import WorkerContext, run_workers, start_workers
+
+pytestmark = pytest.mark.skipif(not hasattr(dist, "_reconfigure"), reason="torch < 2.14 has no reconfigure API")
+
+BACKENDS = ["resilient_tcp", "resilient_nccl_emulated"]
+
+
+def _init(ctx: WorkerContext, backend: str, timeout_s: float | None = None) -> dist.TCPStore:
+    import resilient_comm  # noqa: F401
+
+    name = backend
+    if backend == "resilient_nccl_emulated":
+        os.environ["RESILIENT_COMM_NCCL_EMULATE"] = "1"
+        name = "resilient_nccl"
+    store = ctx.store()
+    kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    dist.init_process_group(name, store=store, rank=ctx.rank, world_size=ctx.world_size, enable_reconfigure=True,
+                            **kw)
+    return store
+
+
+def _handles(store: dist.TCPStore, key: str, me: int, members: list[int]) -> list[str]:
+    """Publishes this process's handle under `key` and returns the members' (by their ids)."""
+    store.set(f"{key}/{me}", dist._get_reconfigure_handle())
+    return [store.get(f"{key}/{m}").decode() for m in members]
+
+
+def _backend() -> object:
+    return dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+
+
+def _sum_of(values: list[float]) -> float:
+    x = torch.tensor([0.0])
+    x.fill_(values[dist.get_rank()])
+    dist.all_reduce(x)
+    return x.item()
+
+
+def _configure_all(ctx: WorkerContext, store: dist.TCPStore, uuid: int = 1) -> None:
+    hs = _handles(store, f"h{uuid}", ctx.rank, list(range(ctx.world_size)))
+    dist._reconfigure(uuid, hs).wait()
+
+
+# --- shrink after a SIGKILL -------------------------------------------------------------------
+
+
+def _shrink_after_kill(ctx: WorkerContext, backend: str, victim: int) -> dict:
+    store = _init(ctx, backend)  # torch's default timeout: recovery must not depend on it
+    _configure_all(ctx, store)
+    t = torch.ones(1024)
+    i = 0
+    try:
+        while True:
+            dist.all_reduce(t)
+            t.fill_(1.0)
+            i += 1
+            if i == 10:
+                store.set(f"looping/{ctx.rank}", "1")
+    except dist.DistBackendError as e:
+        err = f"{type(e).__name__}: {e}"
+    failed = time.time()
+    survivors = [r for r in range(ctx.world_size) if r != victim]
+    hs = _handles(store, "h2", ctx.rank, survivors)
+    dist._reconfigure(2, hs).wait()
+    total = _sum_of([float(r + 1) for r in survivors])
+    return {"err": err, "failed": failed, "done": time.time(), "sum": total, "rank": dist.get_rank(),
+            "size": dist.get_world_size(), "path": _backend().last_reconfigure()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shrink_after_a_sigkill_through_torchs_api_recovers_in_well_under_a_second(backend: str) -> None:
+    world, victim = 4, 2
+    with start_workers(_shrink_after_kill, world, backend, victim, timeout_s=90) as w:
+        for r in range(world):
+            w.wait_key(f"looping/{r}")
+        killed = time.time()
+        w.kill(victim, signal.SIGKILL)
+        results = w.join()
+    survivors = [r for r in range(world) if r != victim]
+    for r in survivors:
+        res = results[r]
+        assert res.ok, res.error
+        v = res.value
+        assert "DistBackendError" in v["err"] or "Error" in v["err"], v["err"]
+        assert v["sum"] == sum(s + 1 for s in survivors)
+        assert v["size"] == 3 and v["rank"] == survivors.index(r)
+        # the survivors in their order: the fast path, for the NCCL communicator too
+        assert v["path"] == ("shrink,device:shrink" if "nccl" in backend else "shrink"), v
+        # kill -> first correct all_reduce, with torch's 30-minute default op timeout
+        assert v["done"] - killed < 5.0, (r, v["done"] - killed)
+
+
+# --- grow by a new process --------------------------------------------------------------------
+
+
+def _grow(ctx: WorkerContext, backend: str) -> dict:
+    store = _init(ctx, backend)
+    first = [0, 1, 2]
+    if ctx.rank in first:
+        hs = _handles(store, "h1", ctx.rank, first)
+        dist._reconfigure(1, hs).wait()
+        before = _sum_of([1.0, 2.0, 3.0])
+        assert dist.get_world_size() == 3
+    else:
+        before = None
+    hs = _handles(store, "h2", ctx.rank, [0, 1, 2, 3])
+    dist._reconfigure(2, hs).wait()
+    return {"before": before, "after": _sum_of([1.0, 2.0, 3.0, 4.0]), "rank": dist.get_rank(),
+            "size": dist.get_world_size()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grow_by_a_new_process(backend: str) -> None:
+    results = run_workers(_grow, 4, backend, timeout_s=60)
+    for r in results:
+        assert r.ok, r.error
+        assert r.value["after"] == 10.0 and r.value["size"] == 4 and r.value["rank"] == r.rank
+        assert r.value["before"] == (6.0 if r.rank < 3 else None)
+
+
+# --- reorder, and a set of handles ------------------------------------------------------------
+
+
+def _reorder(ctx: WorkerContext, backend: str) -> dict:
+    store = _init(ctx, backend)
+    everyone = list(range(ctx.world_size))
+    # A set: the backend chooses; processes that never built a communicator sort by init rank.
+    store.set(f"s1/{ctx.rank}", dist._get_reconfigure_handle())
+    dist._reconfigure(1, {store.get(f"s1/{r}").decode() for r in everyone}).wait()
+    rank_after_set = dist.get_rank()
+    # A list in reverse: ranks by position.
+    hs = _handles(store, "h2", ctx.rank, everyone[::-1])
+    dist._reconfigure(2, hs).wait()
+    out = [torch.zeros(1) for _ in everyone]
+    dist.all_gather(out, torch.tensor([float(ctx.rank)]))
+    path = _backend().last_reconfigure()
+    # A set of the members but the last: they keep their relative order (a shrink).
+    keep = [r for r in everyone[::-1] if r != 0]
+    if ctx.rank == 0:
+        return {"set_rank": rank_after_set, "rank": dist.get_rank(), "gathered": [t.item() for t in out],
+                "path": path}
+    store.set(f"s3/{ctx.rank}", dist._get_reconfigure_handle())
+    dist._reconfigure(3, {store.get(f"s3/{r}").decode() for r in keep}).wait()
+    return {"set_rank": rank_after_set, "rank": dist.get_rank(), "gathered": [t.item() for t in out], "path": path,
+            "rank3": dist.get_rank(), "sum3": _sum_of([10.0, 20.0]), "path3": _backend().last_reconfigure()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_reordered_list_assigns_ranks_by_position_and_a_set_keeps_the_survivors_order(backend: str) -> None:
+    results = run_workers(_reorder, 3, backend, timeout_s=60)
+    for r in results:
+        assert r.ok, r.error
+        v = r.value
+        assert v["set_rank"] == r.rank
+        assert v["rank"] == 2 - r.rank
+        assert v["gathered"] == [2.0, 1.0, 0.0]
+        assert v["path"] == "fresh", v  # no device op before it: no device communicator yet
+        if r.rank != 0:
+            # after the reorder, init rank 2 is rank 0 and init rank 1 rank 1: kept in that order
+            assert v["rank3"] == {2: 0, 1: 1}[r.rank] and v["sum3"] == 30.0
+            assert v["path3"] == ("shrink,device:shrink" if "nccl" in backend else "shrink"), v
+
+
+# --- the same members again after an abort ----------------------------------------------------
+
+
+def _after_abort(ctx: WorkerContext, backend: str) -> dict:
+    import resilient_comm
+
+    store = _init(ctx, backend)
+    _configure_all(ctx, store)
+    assert _sum_of([1.0, 2.0, 3.0]) == 6.0
+    resilient_comm.abort(reason="a transient error")
+    try:
+        dist.all_reduce(torch.ones(1))
+        refused = ""
+    except dist.DistBackendError as e:
+        refused = f"{type(e).__name__}: {e}"
+    hs = _handles(store, "h2", ctx.rank, list(range(ctx.world_size)))
+    dist._reconfigure(2, hs).wait()
+    return {"refused": refused, "sum": _sum_of([1.0, 2.0, 3.0]), "error": str(_backend().get_error()),
+            "path": _backend().last_reconfigure()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_same_members_again_after_an_abort(backend: str) -> None:
+    for r in run_workers(_after_abort, 3, backend, timeout_s=60):
+        assert r.ok, r.error
+        assert "CommAbortedError" in r.value["refused"] and "a transient error" in r.value["refused"]
+        assert r.value["sum"] == 6.0 and r.value["error"].endswith("SUCCESS"), r.value
+        assert r.value["path"] == ("shrink,device:shrink" if "nccl" in backend else "shrink"), r.value
+
+
+# --- a member that never arrives --------------------------------------------------------------
+
+
+def _missing_member(ctx: WorkerContext, backend: str, timeout_s: float) -> dict:
+    from resilient_comm import CommTimeoutError
+
+    store = _init(ctx, backend)
+    _configure_all(ctx, store)
+    if ctx.rank == 2:  # stays alive, and never takes part
+        store.set("h2/2", dist._get_reconfigure_handle())
+        store.wait(["released"], datetime.timedelta(seconds=60))
+        return {}
+    hs = _handles(store, "h2", ctx.rank, [0, 1, 2])
+    start = time.monotonic()
+    work = dist._reconfigure(2, hs, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        work.wait()
+        err = ""
+    except CommTimeoutError as e:
+        err = str(e)
+    elapsed = time.monotonic() - start
+    hs = _handles(store, "h3", ctx.rank, [0, 1])
+    dist._reconfigure(3, hs).wait()
+    total = _sum_of([1.0, 2.0])
+    store.add("done", 1)
+    if store.add("done", 0) == 2:
+        store.set("released", "1")
+    return {"err": err, "elapsed": elapsed, "sum": total}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_member_that_never_arrives_fails_the_reconfigure_within_its_timeout(backend: str) -> None:
+    timeout_s = 3.0
+    results = run_workers(_missing_member, 3, backend, timeout_s, timeout_s=60)
+    for r in results[:2]:
+        assert r.ok, r.error
+        # a CommTimeoutError that names the reconfigure and the rank that never came
+        assert "reconfigure" in r.value["err"] and "rank(s) 2" in r.value["err"], r.value
+        assert timeout_s - 0.5 < r.value["elapsed"] < timeout_s + 1.0, r.value
+        assert r.value["sum"] == 3.0
+    assert results[2].ok, results[2].error
+
+
+# --- bad input: stale, foreign, garbage handles; a reused uuid ---------------------------------
+
+
+def _bad_input(ctx: WorkerContext, backend: str) -> dict:
+    store = _init(ctx, backend)
+    try:
+        dist.all_reduce(torch.ones(1))
+        before = ""
+    except RuntimeError as e:
+        before = str(e)
+    everyone = list(range(ctx.world_size))
+    first = _handles(store, "h1", ctx.rank, everyone)
+    dist._reconfigure(1, first).wait()
+    current = _handles(store, "h2", ctx.rank, everyone)
+    fields = current[1].split("|")
+    fields[-1] = "0123456789abcdef"
+    foreign = "|".join(fields)
+    cases = {
+        "stale": first,
+        "garbage": [*current[:1], "not a handle\n\x00", *current[2:]],
+        "foreign": [current[0], foreign, *current[2:]],
+        "duplicate": [current[0], current[0], *current[1:]],
+        "without_me": [h for i, h in enumerate(current) if i != ctx.rank],
+        "empty": [],
+    }
+    errors = {}
+    for name, hs in cases.items():
+        try:
+            dist._reconfigure(10 + len(errors), hs)
+            errors[name] = "accepted"
+        except ValueError as e:
+            errors[name] = str(e)
+    # The group is unchanged: same rank, same members, and it still reduces.
+    unchanged = _sum_of([1.0, 2.0, 3.0])
+    dist._reconfigure(2, current).wait()
+    try:
+        dist._reconfigure(2, current)
+        reused = "accepted"
+    except ValueError as e:
+        reused = str(e)
+    return {"before": before, "errors": errors, "unchanged": unchanged, "reused": reused,
+            "after": _sum_of([1.0, 2.0, 3.0])}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stale_foreign_and_garbage_handles_and_a_reused_uuid_are_value_errors_and_change_nothing(backend: str) -> None:
+    for r in run_workers(_bad_input, 3, backend, timeout_s=60):
+        assert r.ok, r.error
+        v = r.value
+        assert "enable_reconfigure=True" in v["before"] and "_reconfigure" in v["before"], v["before"]
+        e = v["errors"]
+        assert "is stale" in e["stale"], e
+        assert "'not a handle\\x0a\\x00'" in e["garbage"] and "not a handle of this backend" in e["garbage"], e
+        assert "is signed with a job token" in e["foreign"], e
+        assert "is given twice" in e["duplicate"], e
+        assert "is not among the" in e["without_me"], e
+        assert "at least one handle" in e["empty"], e
+        assert v["unchanged"] == 6.0 and v["after"] == 6.0
+        assert "uuid 2 was already used" in v["reused"], v["reused"]
+
+
+# --- an op pending on the old membership; abort hooks ------------------------------------------
+
+
+def _pending_and_hooks(ctx: WorkerContext, backend: str) -> dict:
+    store = _init(ctx, backend)
+    _configure_all(ctx, store)
+    pg = dist.distributed_c10d._get_default_group()
+    fired = []
+    pg.register_abort_hook(7, lambda: fired.append("hook"))
+    out: dict = {}
+    if ctx.rank == 0:
+        # Rank 1 never joins this all_reduce: it is pending when the reconfigure starts.
+        work = dist.all_reduce(torch.ones(1), async_op=True)
+        store.set("pending", "1")
+        store.wait(["h2/1"])
+        hs = _handles(store, "h2", 0, [0, 1])
+        start = time.monotonic()
+        rc = dist._reconfigure(2, hs)
+        try:
+            work.wait()
+            out["pending"] = "completed"
+        except dist.DistBackendError as e:
+            out["pending"] = f"{type(e).__name__}: {e}"
+        out["pending_s"] = time.monotonic() - start
+        rc.wait()
+    else:
+        store.wait(["pending"])
+        hs = _handles(store, "h2", 1, [0, 1])
+        dist._reconfigure(2, hs).wait()
+    out["sum"] = _sum_of([1.0, 2.0])
+    out["hooks_before_abort"] = list(fired)
+    import resilient_comm
+
+    resilient_comm.abort(reason="hooked")
+    out["hooks"] = list(fired)
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["resilient_tcp"])
+def test_an_op_pending_when_reconfigure_starts_fails_at_once_and_abort_hooks_run(backend: str) -> None:
+    results = run_workers(_pending_and_hooks, 2, backend, timeout_s=60)
+    for r in results:
+        assert r.ok, r.error
+        assert r.value["sum"] == 3.0
+        assert r.value["hooks"][-1:] == ["hook"], r.value
+    v = results[0].value
+    assert "CommAbortedError" in v["pending"] and "superseded by reconfigure (uuid 2)" in v["pending"], v
+    assert v["pending_s"] < 1.0, v
+    assert v["hooks_before_abort"] == ["hook"], v  # the running op was aborted: the hooks ran once
