@@ -18,7 +18,9 @@ fatal to the others):
 7. with NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1, 2 and 4 ranks on the one GPU
    (multi_rank.py): correctness, busbw against ProcessGroupNCCL, then a rank SIGKILLed mid-loop:
    the survivors abort (as the launcher's report makes them), shrink, and time the first correct
-   all_reduce after the kill.
+   all_reduce after the kill;
+8. torch's reconfigure API (torch >= 2.14; skipped on older torch) at world size 1 on nccl,
+   nccl2 and resilient_nccl: reconfigure + a checked all_reduce, five times.
 
 It prints one table at the end (and writes it, with the raw numbers, to --out); paste the table
 into benchmarks/README.md with the date and device.
@@ -354,6 +356,46 @@ def multi_rank() -> None:
             raise RuntimeError(f"multi_rank.py {n} exited {out.returncode}")
 
 
+def reconfigure_ws1() -> None:
+    """torch's reconfigure API (torch >= 2.14) at world size 1 on nccl, nccl2 and resilient_nccl:
+    init with enable_reconfigure=True, reconfigure with the own handle, a CUDA all_reduce checked,
+    then the same members again (a second uuid); the reconfigures' times, medians of 5."""
+    import torch
+    import torch.distributed as dist
+
+    import resilient_comm  # noqa: F401
+
+    if not hasattr(dist, "_reconfigure"):
+        row("reconfigure API", f"skipped: torch {torch.__version__} has none (torch >= 2.14)")
+        return
+    RAW["reconfigure_ws1"] = {}
+    for backend in ("nccl", "nccl2", "resilient_nccl"):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        try:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=datetime.timedelta(seconds=60), enable_reconfigure=True)
+        except Exception as e:  # noqa: BLE001  (a backend this torch lacks)
+            row(f"reconfigure on {backend}", f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+            continue
+        if not dist._supports_reconfigure():
+            row(f"reconfigure on {backend}", "skipped: supports_reconfigure is False")
+            continue
+        times = []
+        for uuid in range(1, 6):
+            t0 = time.perf_counter()
+            dist._reconfigure(uuid, [dist._get_reconfigure_handle()]).wait()
+            x = torch.ones(1 << 20, device="cuda")
+            dist.all_reduce(x)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            assert float(x[0]) == 1.0
+        RAW["reconfigure_ws1"][backend] = times
+        row(f"reconfigure + all_reduce on {backend}", f"first {times[0] * 1e3:.1f} ms, then median "
+            f"{statistics.median(times[1:]) * 1e3:.1f} ms")
+    dist.destroy_process_group()
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None, help="folder for check.md and check.json")
@@ -370,7 +412,7 @@ def main() -> int:
     if torch.cuda.is_available():
         steps += [("collectives and stream order at world size 1", correctness_ws1), ("host overhead", overhead_ws1),
                   ("busbw vs torch nccl, 1 rank", busbw_ws1), ("latencies at world size 1", latencies_ws1),
-                  ("2 and 4 ranks on one GPU", multi_rank)]
+                  ("2 and 4 ranks on one GPU", multi_rank), ("reconfigure at world size 1", reconfigure_ws1)]
     for name, fn in steps:
         step(name, fn)
     width = max(len(n) for n, _ in ROWS)

@@ -89,7 +89,8 @@ ResilientBackend::~ResilientBackend() {
     stopping_ = true;
     busy = !queue_.empty();
   }
-  if (busy || cpuComm()->state() == CommState::kInitializing) {
+  // (A group never configured, enable_reconfigure=True, has nothing to abort: no hooks run.)
+  if (busy || (configured_.load() && cpuComm()->state() == CommState::kInitializing)) {
     abortWithReason("process group destroyed with operations pending");
   }
   cv_.notify_all();
