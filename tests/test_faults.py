@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from resilient_comm.testing import WorkerContext, start_workers
+from resilient_comm.testing import WorkerContext, all_reduce_until_failure, start_workers
 
 OP_TIMEOUT_S = 30.0
 DETECT_BOUND_S = 2.0
@@ -30,18 +30,7 @@ def _loop_until_failure(ctx: WorkerContext, victim: int, numel: int, full_mesh: 
         os.environ["RESILIENT_COMM_TCP_FULL_MESH"] = str(full_mesh)
     ctx.init("resilient_tcp", timeout_s=OP_TIMEOUT_S)
     store = ctx.store()
-    t = torch.ones(numel)
-    i = 0
-    try:
-        while True:
-            dist.all_reduce(t)
-            t.fill_(1.0)
-            i += 1
-            if i == 20:
-                store.set(f"looping/{ctx.rank}", "1")
-    except dist.DistBackendError as e:
-        failed_at = time.time()
-        err = f"{type(e).__name__}: {e}"
+    err, failed_at = all_reduce_until_failure(store, ctx.rank, numel, announce_after=20)
     errored = repr(resilient_comm.errored())
     dist.destroy_process_group()
 
@@ -58,7 +47,7 @@ def _loop_until_failure(ctx: WorkerContext, victim: int, numel: int, full_mesh: 
     x = torch.tensor([float(ctx.rank)])
     dist.all_reduce(x)
     dist.destroy_process_group()
-    return {"failed_at": failed_at, "error": err, "errored": errored, "iters": i, "sum": x.item()}
+    return {"failed_at": failed_at, "error": err, "errored": errored, "sum": x.item()}
 
 
 @pytest.mark.timeout(90)

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from resilient_comm.testing import WorkerContext, run_workers, start_workers
+from resilient_comm.testing import WorkerContext, all_reduce_until_failure, run_workers, start_workers
 
 DETECT_BOUND_S = 2.0
 
@@ -43,18 +43,7 @@ def _loop_then_shrink(ctx: WorkerContext, victim: int, env: dict, op_timeout_s: 
     _emulate(**env)
     ctx.init("resilient_nccl", timeout_s=op_timeout_s)
     store = ctx.store()
-    t = torch.ones(1 << 14)
-    i = 0
-    try:
-        while True:
-            dist.all_reduce(t)
-            t.fill_(1.0)
-            i += 1
-            if i == 10:
-                store.set(f"looping/{ctx.rank}", "1")
-    except dist.DistBackendError as e:
-        failed_at = time.time()
-        err = f"{type(e).__name__}: {e}"
+    err, failed_at = all_reduce_until_failure(store, ctx.rank, 1 << 14)
     pg = dist.group.WORLD
     assert pg is not None
     errored = repr(resilient_comm.errored(pg))

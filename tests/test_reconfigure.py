@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from resilient_comm.testing import WorkerContext, run_workers, start_workers
+from resilient_comm.testing import WorkerContext, all_reduce_until_failure, run_workers, start_workers
 
 pytestmark = pytest.mark.skipif(not hasattr(dist, "_reconfigure"), reason="torch < 2.14 has no reconfigure API")
 
@@ -56,6 +56,14 @@ def _sum_of(values: list[float]) -> float:
     return x.item()
 
 
+def _run(fn, world: int, *args) -> list:  # noqa: ANN001
+    """Runs fn on `world` workers; every worker must succeed; their values, by rank."""
+    results = run_workers(fn, world, *args, timeout_s=60)
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error}"
+    return [r.value for r in results]
+
+
 def _configure_all(ctx: WorkerContext, store: dist.TCPStore, uuid: int = 1) -> None:
     hs = _handles(store, f"h{uuid}", ctx.rank, list(range(ctx.world_size)))
     dist._reconfigure(uuid, hs).wait()
@@ -67,18 +75,7 @@ def _configure_all(ctx: WorkerContext, store: dist.TCPStore, uuid: int = 1) -> N
 def _shrink_after_kill(ctx: WorkerContext, backend: str, victim: int) -> dict:
     store = _init(ctx, backend)  # torch's default timeout: recovery must not depend on it
     _configure_all(ctx, store)
-    t = torch.ones(1024)
-    i = 0
-    try:
-        while True:
-            dist.all_reduce(t)
-            t.fill_(1.0)
-            i += 1
-            if i == 10:
-                store.set(f"looping/{ctx.rank}", "1")
-    except dist.DistBackendError as e:
-        err = f"{type(e).__name__}: {e}"
-    failed = time.time()
+    err, failed = all_reduce_until_failure(store, ctx.rank, 1024)
     survivors = [r for r in range(ctx.world_size) if r != victim]
     hs = _handles(store, "h2", ctx.rank, survivors)
     dist._reconfigure(2, hs).wait()
@@ -133,11 +130,9 @@ def _grow(ctx: WorkerContext, backend: str) -> dict:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grow_by_a_new_process(backend: str) -> None:
-    results = run_workers(_grow, 4, backend, timeout_s=60)
-    for r in results:
-        assert r.ok, r.error
-        assert r.value["after"] == 10.0 and r.value["size"] == 4 and r.value["rank"] == r.rank
-        assert r.value["before"] == (6.0 if r.rank < 3 else None)
+    for rank, v in enumerate(_run(_grow, 4, backend)):
+        assert v["after"] == 10.0 and v["size"] == 4 and v["rank"] == rank
+        assert v["before"] == (6.0 if rank < 3 else None)
 
 
 # --- reorder, and a set of handles ------------------------------------------------------------
@@ -170,17 +165,14 @@ def _reorder(ctx: WorkerContext, backend: str) -> dict:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_reordered_list_assigns_ranks_by_position_and_a_set_keeps_the_survivors_order(backend: str) -> None:
-    results = run_workers(_reorder, 3, backend, timeout_s=60)
-    for r in results:
-        assert r.ok, r.error
-        v = r.value
-        assert v["set_rank"] == r.rank
-        assert v["rank"] == 2 - r.rank
+    for rank, v in enumerate(_run(_reorder, 3, backend)):
+        assert v["set_rank"] == rank
+        assert v["rank"] == 2 - rank
         assert v["gathered"] == [2.0, 1.0, 0.0]
         assert v["path"] == "fresh", v  # no device op before it: no device communicator yet
-        if r.rank != 0:
+        if rank != 0:
             # after the reorder, init rank 2 is rank 0 and init rank 1 rank 1: kept in that order
-            assert v["rank3"] == {2: 0, 1: 1}[r.rank] and v["sum3"] == 30.0
+            assert v["rank3"] == {2: 0, 1: 1}[rank] and v["sum3"] == 30.0
             assert v["path3"] == ("shrink,device:shrink" if "nccl" in backend else "shrink"), v
 
 
@@ -208,11 +200,10 @@ def _after_abort(ctx: WorkerContext, backend: str) -> dict:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_same_members_again_after_an_abort(backend: str) -> None:
-    for r in run_workers(_after_abort, 3, backend, timeout_s=60):
-        assert r.ok, r.error
-        assert "CommAbortedError" in r.value["refused"] and "a transient error" in r.value["refused"]
-        assert r.value["sum"] == 6.0 and r.value["error"].endswith("SUCCESS"), r.value
-        assert r.value["path"] == ("shrink,device:shrink" if "nccl" in backend else "shrink"), r.value
+    for v in _run(_after_abort, 3, backend):
+        assert "CommAbortedError" in v["refused"] and "a transient error" in v["refused"]
+        assert v["sum"] == 6.0 and v["error"].endswith("SUCCESS"), v
+        assert v["path"] == ("shrink,device:shrink" if "nccl" in backend else "shrink"), v
 
 
 # --- a member that never arrives --------------------------------------------------------------
@@ -249,14 +240,11 @@ def _missing_member(ctx: WorkerContext, backend: str, timeout_s: float) -> dict:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_member_that_never_arrives_fails_the_reconfigure_within_its_timeout(backend: str) -> None:
     timeout_s = 3.0
-    results = run_workers(_missing_member, 3, backend, timeout_s, timeout_s=60)
-    for r in results[:2]:
-        assert r.ok, r.error
+    for v in _run(_missing_member, 3, backend, timeout_s)[:2]:
         # a CommTimeoutError that names the reconfigure and the rank that never came
-        assert "reconfigure" in r.value["err"] and "rank(s) 2" in r.value["err"], r.value
-        assert timeout_s - 0.5 < r.value["elapsed"] < timeout_s + 1.0, r.value
-        assert r.value["sum"] == 3.0
-    assert results[2].ok, results[2].error
+        assert "reconfigure" in v["err"] and "rank(s) 2" in v["err"], v
+        assert timeout_s - 0.5 < v["elapsed"] < timeout_s + 1.0, v
+        assert v["sum"] == 3.0
 
 
 # --- bad input: stale, foreign, garbage handles; a reused uuid ---------------------------------
@@ -306,9 +294,7 @@ def _bad_input(ctx: WorkerContext, backend: str) -> dict:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_stale_foreign_and_garbage_handles_and_a_reused_uuid_are_value_errors_and_change_nothing(backend: str) -> None:
-    for r in run_workers(_bad_input, 3, backend, timeout_s=60):
-        assert r.ok, r.error
-        v = r.value
+    for v in _run(_bad_input, 3, backend):
         assert "enable_reconfigure=True" in v["before"] and "_reconfigure" in v["before"], v["before"]
         e = v["errors"]
         assert "is stale" in e["stale"], e
@@ -362,12 +348,11 @@ def _pending_and_hooks(ctx: WorkerContext, backend: str) -> dict:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["resilient_tcp"])
 def test_an_op_pending_when_reconfigure_starts_fails_at_once_and_abort_hooks_run(backend: str) -> None:
-    results = run_workers(_pending_and_hooks, 2, backend, timeout_s=60)
-    for r in results:
-        assert r.ok, r.error
-        assert r.value["sum"] == 3.0
-        assert r.value["hooks"][-1:] == ["hook"], r.value
-    v = results[0].value
+    values = _run(_pending_and_hooks, 2, backend)
+    for v in values:
+        assert v["sum"] == 3.0
+        assert v["hooks"][-1:] == ["hook"], v
+    v = values[0]
     assert "CommAbortedError" in v["pending"] and "superseded by reconfigure (uuid 2)" in v["pending"], v
     assert v["pending_s"] < 1.0, v
     assert v["hooks_before_abort"] == ["hook"], v  # the running op was aborted: the hooks ran once

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import resilient_comm
-from resilient_comm.testing import WorkerContext, run_workers, start_workers
+from resilient_comm.testing import WorkerContext, all_reduce_until_failure, run_workers, start_workers
 
 MIB = 1 << 20
 DETECT_BOUND_S = 2.0
@@ -58,20 +58,12 @@ def test_same_host_peers_share_rings_unless_turned_off(shm: str) -> None:
 def _loop_64mib_until_failure(ctx: WorkerContext) -> dict:
     ctx.init("resilient_tcp", timeout_s=30)
     store = ctx.store()
-    t = torch.ones(16 * MIB)  # 64 MiB
-    i = 0
-    try:
-        while True:
-            dist.all_reduce(t)
-            t.fill_(1.0)
-            i += 1
-            if i == 2:
-                # (The group is built by its first op.)
-                assert len(resilient_comm.shm_peers()) == ctx.world_size - 1
-                store.set(f"looping/{ctx.rank}", "1")
-    except resilient_comm.CommError as e:
-        failed_at = time.time()
-        err = f"{type(e).__name__}: {e}"
+
+    def built() -> None:  # (the group is built by its first op)
+        assert len(resilient_comm.shm_peers()) == ctx.world_size - 1
+
+    err, failed_at = all_reduce_until_failure(store, ctx.rank, 16 * MIB, announce_after=2, on_announce=built,
+                                              catch=(resilient_comm.CommError,))  # 64 MiB
     pg = resilient_comm.shrink([ctx.world_size - 1])
     x = torch.full((4 * MIB,), float(ctx.rank))  # 16 MiB: the rings again
     dist.all_reduce(x)

@@ -187,6 +187,54 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::allgather(std::vector<std::vect
                  });
 }
 
+c10::intrusive_ptr<c10d::Work> ResilientBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                                     std::vector<at::Tensor>& inputs,
+                                                                     const c10d::AllgatherOptions& opts) {
+  // dist.all_gather_coalesced: inputs of any shapes (one dtype); outputs[r][i] receives rank r's
+  // inputs[i]. One all_gather of the inputs packed back to back.
+  OpSite site{opts_.backendName, opts_.groupName, rank_, "all_gather_coalesced"};
+  checkTensors(site, inputs, "inputs");
+  if (static_cast<int>(outputs.size()) != size_) {
+    C10_THROW_ERROR(ValueError, site.prefix() + "output must be a list of " + std::to_string(size_) +
+                                    " lists of tensors (one per rank), got " + std::to_string(outputs.size()));
+  }
+  int64_t total = 0;
+  for (const at::Tensor& t : inputs) {
+    total += t.numel();
+  }
+  std::vector<at::Tensor> outs;
+  for (size_t r = 0; r < outputs.size(); ++r) {
+    checkTensors(site, outputs[r], "outputs");
+    if (outputs[r].size() != inputs.size()) {
+      C10_THROW_ERROR(ValueError, site.prefix() + "output list " + std::to_string(r) + " has " +
+                                      std::to_string(outputs[r].size()) + " tensors, the input list " +
+                                      std::to_string(inputs.size()));
+    }
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      checkSameDtype(site, outputs[r][i], inputs[i], "output", "input");
+      if (outputs[r][i].numel() != inputs[i].numel()) {
+        C10_THROW_ERROR(ValueError, site.prefix() + "output[" + std::to_string(r) + "][" + std::to_string(i) +
+                                        "] has " + std::to_string(outputs[r][i].numel()) + " elements, input[" +
+                                        std::to_string(i) + "] " + std::to_string(inputs[i].numel()));
+      }
+      outs.push_back(outputs[r][i]);
+    }
+  }
+  auto comm = commFor(inputs, site.op);
+  std::vector<at::Tensor> ins = inputs;
+  const int n = size_;
+  Temps temps;
+  at::Tensor packed = temps.flat(ins[0], total);
+  at::Tensor gathered = temps.flat(ins[0], total * n);
+  Payload p = payload(packed);
+  return enqueue(comm, OpType::ALLGATHER_COALESCED, site.op, outs, opts.timeout, !opts.asyncOp,
+                 [ins, outs, packed, gathered, p, temps](Communicator& c, const Deadline& dl) -> Status {
+                   RC_RETURN_IF_ERROR(packInto(c, packed, ins));
+                   RC_RETURN_IF_ERROR(c.allGather(ptr(packed), ptr(gathered), p.count, p.dt, dl));
+                   return unpackFrom(c, gathered, outs);
+                 });
+}
+
 c10::intrusive_ptr<c10d::Work> ResilientBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                  const c10d::AllgatherOptions& opts) {
   OpSite site{opts_.backendName, opts_.groupName, rank_, "all_gather_into_tensor"};

@@ -256,8 +256,8 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::push(std::shared_ptr<Communicat
     return work;
   }
   Deadline dl = Deadline::after(timeout);
-  std::string why = std::string(opName) + " did not finish within " + std::to_string(timeout.count()) +
-                    " ms (watchdog)";
+  std::string why = std::string(opName) + " Timed out after " + std::to_string(timeout.count()) +
+                    " ms, its timeout (the watchdog aborted the group)";
   Watchdog::Id id = Watchdog::instance().watch(dl, [work, comm, why, hooks = hooks_] {
     work->complete(Status(StatusCode::kTimeout, why));
     hooks->run(why);
@@ -417,8 +417,8 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::launchOnDevice(std::shared_ptr<
     }
     return work;
   }
-  std::string why = std::string(opName) + " did not finish within " + std::to_string(timeout.count()) +
-                    " ms (watchdog)";
+  std::string why = std::string(opName) + " Timed out after " + std::to_string(timeout.count()) +
+                    " ms, its timeout (the watchdog aborted the group)";
   Watchdog::Id id = Watchdog::instance().watch(dl, [followers, comm, why, hooks = hooks_] {
     for (auto& w : followers) {
       w->complete(Status(StatusCode::kTimeout, why));

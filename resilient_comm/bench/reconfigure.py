@@ -27,13 +27,12 @@ import signal
 import statistics
 import sys
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from resilient_comm.bench.common import machine
-from resilient_comm.testing import WorkerContext, start_workers
+from resilient_comm.testing import WorkerContext, all_reduce_until_failure, start_workers
 
 VICTIM = 1
 STACKS = {"gloo": "gloo", "resilient_tcp": "resilient_tcp", "nccl-emu": "resilient_nccl"}
@@ -55,18 +54,8 @@ def _job(ctx: WorkerContext, stack: str, timeout_s: float | None, numel: int) ->
 
     everyone = list(range(ctx.world_size))
     dist._reconfigure(1, handles("h1", everyone)).wait()
-    t = torch.ones(numel)
-    i = 0
-    try:
-        while True:
-            dist.all_reduce(t)
-            t.fill_(1.0)
-            i += 1
-            if i == 5:
-                store.set(f"looping/{ctx.rank}", "1")
-    except Exception as e:  # noqa: BLE001  (gloo raises RuntimeError, ours DistBackendError subclasses)
-        error_at = time.time()
-        error = f"{type(e).__name__}: {str(e)[:200]}"
+    # gloo raises RuntimeError, ours DistBackendError subclasses
+    error, error_at = all_reduce_until_failure(store, ctx.rank, numel, announce_after=5, catch=(RuntimeError,))
     survivors = [r for r in everyone if r != VICTIM]
     start = time.time()
     dist._reconfigure(2, handles("h2", survivors)).wait()

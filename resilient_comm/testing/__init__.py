@@ -4,9 +4,11 @@ from resilient_comm.testing.harness import (
     WorkerContext,
     WorkerResult,
     Workers,
+    all_reduce_until_failure,
     run_workers,
     start_workers,
     wait_for,
 )
 
-__all__ = ["WorkerContext", "WorkerResult", "Workers", "run_workers", "start_workers", "wait_for"]
+__all__ = ["WorkerContext", "WorkerResult", "Workers", "all_reduce_until_failure", "run_workers", "start_workers",
+           "wait_for"]

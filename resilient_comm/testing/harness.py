@@ -183,6 +183,30 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: 
         return w.join()
 
 
+def all_reduce_until_failure(store: dist.Store, rank: int, numel: int, announce_after: int = 10,
+                             on_announce: Callable[[], None] | None = None,
+                             catch: tuple[type[BaseException], ...] = (dist.DistBackendError,)) -> tuple[str, float]:
+    """In a worker: all-reduces ones (SUM) until an op raises one of `catch`; after
+    `announce_after` ops it runs `on_announce` and sets ``looping/{rank}`` in `store`, the key a
+    fault test waits for before it strikes. Returns the error as "Type: message" and the
+    time.time() at which it was raised."""
+    import torch
+
+    t = torch.ones(numel)
+    i = 0
+    try:
+        while True:
+            dist.all_reduce(t)
+            t.fill_(1.0)
+            i += 1
+            if i == announce_after:
+                if on_announce is not None:
+                    on_announce()
+                store.set(f"looping/{rank}", "1")
+    except catch as e:
+        return f"{type(e).__name__}: {e}", time.time()
+
+
 def wait_for(cond: Callable[[], Any], what: str, timeout_s: float = 60.0) -> None:
     """Bounded wait for a condition a job makes true (store keys, registrations); TimeoutError
     naming `what` past `timeout_s`."""

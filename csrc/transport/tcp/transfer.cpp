@@ -547,7 +547,8 @@ Status Transfer::run() {
         return Status(StatusCode::kAborted, "communicator aborted: " + abort_.reason());
       }
       if (dl_.passed()) {
-        return Status(StatusCode::kTimeout, "timed out " + describePending());
+        // "Timed out", as gloo says it: code written for torch matches on it.
+        return Status(StatusCode::kTimeout, "Timed out " + describePending());
       }
       fds.clear();
       who.clear();
