@@ -35,7 +35,7 @@ if ! "$VPY" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0]
   echo "[setup] installing torch==$TORCH_VERSION into $VENV (2.14.1: ~5.5 GB, a few minutes)"
   "${PIP[@]}" "torch==$TORCH_VERSION"
 fi
-"${PIP[@]}" "setuptools>=64" wheel cmake ninja "pytest>=7" "pytest-timeout>=2" numpy matplotlib nvidia-nccl-cu12 "etcd3gw>=2.4" "prometheus_client>=0.17"
+"${PIP[@]}" "setuptools>=64" wheel cmake ninja "pytest>=7" "pytest-timeout>=2" expecttest numpy matplotlib nvidia-nccl-cu12 "etcd3gw>=2.4" "prometheus_client>=0.17"
 
 # etcd (the multi-node membership) for the tests that run nodes in network namespaces; as
 # root on Debian/Ubuntu it comes from the etcd-server package. Without it those tests skip.
