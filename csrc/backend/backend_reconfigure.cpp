@@ -74,14 +74,6 @@ std::string ResilientBackend::lastReconfigure() const {
 
 #ifdef C10D_BACKEND_HAS_RECONFIGURE
 
-namespace {
-
-void abortNow(const std::shared_ptr<Communicator>& comm, const std::string& why) {
-  Reaper::run([comm, why] { comm->abort(why); }, Reaper::abortBound(), "abort of group '" + comm->name() + "'");
-}
-
-}  // namespace
-
 std::shared_ptr<tcp::TcpCommunicator> ResilientBackend::refreshBase() const {
   auto host = std::dynamic_pointer_cast<tcp::TcpCommunicator>(cpuComm());
   if (host && host != base_ && host->everBuilt()) {
@@ -211,7 +203,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::reconfigureWith(int64_t uuid, c
   std::shared_ptr<Communicator> next;
   if (plan.kind == ReconfigurePlan::Kind::kShrink) {
     if (old != handleBase_) {
-      abortNow(old, why);  // a failed attempt since
+      abortComm(old, why);  // a failed attempt since
     }
     auto r = handleBase_->shrink(plan.exclude, /*afterError=*/!healthy, dl);
     if (r.isOk()) {
@@ -223,9 +215,9 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::reconfigureWith(int64_t uuid, c
   }
   if (!next) {
     if (!healthy) {
-      abortNow(old, why);
+      abortComm(old, why);
       if (handleBase_ && handleBase_ != old) {
-        abortNow(handleBase_, why);
+        abortComm(handleBase_, why);
       }
     }
     next = fresh(plan.epoch, dl);
@@ -253,7 +245,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::reconfigureWith(int64_t uuid, c
       }
     }
     if (!nextDevice) {
-      abortNow(device, why);
+      abortComm(device, why);
     }
   }
   {
@@ -278,7 +270,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::reconfigureWith(int64_t uuid, c
               [this, shrink, fresh, fallbackEpoch, endLater, why](Communicator& c, const Deadline& d) -> Status {
                 Status st = c.waitReady(d);
                 if (endLater) {  // see [Note: a healthy communicator ends once its successor is Ready]
-                  abortNow(endLater, why);
+                  abortComm(endLater, why);
                 }
                 if (st.isOk() || !shrink || st.code() == StatusCode::kAborted || st.code() == StatusCode::kTimeout) {
                   return st;
@@ -325,7 +317,7 @@ void ResilientBackend::supersede(const std::shared_ptr<Communicator>& old, const
   }
   // An op is running on the old membership: it fails now, not at its deadline.
   hooks_->run(why);
-  Reaper::run([old, why] { old->abort(why); }, Reaper::abortBound(), "abort of group '" + old->name() + "'");
+  abortComm(old, why);
   std::unique_lock<std::mutex> lock(mu_);
   const bool ended = cv_.wait_for(lock, Reaper::abortBound() + std::chrono::seconds(1), [this] { return !running_; });
   if (!ended) {

@@ -175,7 +175,6 @@ Result<ReconfigurePlan> planReconfigure(const std::vector<std::string>& handles,
   }
   if (shrink) {
     plan.kind = ReconfigurePlan::Kind::kShrink;
-    plan.shrinks = first.identity;
     std::vector<bool> kept(first.size, false);
     for (const ReconfigureHandle& h : plan.members) {
       kept[h.rank] = true;

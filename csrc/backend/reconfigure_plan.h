@@ -60,7 +60,6 @@ struct ReconfigurePlan {
   std::vector<ReconfigureHandle> members;  // in new rank order
   int rank = -1;                           // this process's new rank
   std::vector<int> exclude;                // kShrink: ranks of the shrunk communicator left out
-  uint64_t shrinks = 0;                    // kShrink: the communicator shrunk (its identity)
   // A fresh communicator's name on the wire (kFresh, or a kShrink that fails on a member and
   // falls back to a fresh communicator).
   std::string epoch;

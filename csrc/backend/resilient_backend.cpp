@@ -22,10 +22,6 @@ namespace {
 
 using c10d::OpType;
 
-// Aborts `comm` through the Reaper: bounded even if the transport's abort blocks.
-void abortComm(const std::shared_ptr<Communicator>& comm, const std::string& why) {
-  Reaper::run([comm, why] { comm->abort(why); }, Reaper::abortBound(), "abort of group '" + comm->name() + "'");
-}
 
 // The same from the watchdog's thread, which must not wait for it at all.
 void abortCommNoWait(const std::shared_ptr<Communicator>& comm, const std::string& why) {
@@ -45,6 +41,10 @@ std::vector<c10::Device> futureDevices(const std::vector<at::Tensor>& outputs) {
 }
 
 }  // namespace
+
+void abortComm(const std::shared_ptr<Communicator>& comm, const std::string& why) {
+  Reaper::run([comm, why] { comm->abort(why); }, Reaper::abortBound(), "abort of group '" + comm->name() + "'");
+}
 
 ResilientBackend::ResilientBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size, BackendOptions opts)
     : c10d::Backend(rank, size), opts_(std::move(opts)), timeout_(opts_.timeout), emulate_(emulating(opts_.backendName)) {

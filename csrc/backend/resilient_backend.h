@@ -71,6 +71,9 @@ struct BackendOptions {
   bool enableReconfigure = false;
 };
 
+// Aborts `comm` through the Reaper: bounded even if the transport's abort blocks.
+void abortComm(const std::shared_ptr<Communicator>& comm, const std::string& why);
+
 // Abort hooks registered through torch (registerAbortHook, torch >= 2.14), shared with the
 // watchdog's callbacks, which may outlive a call into the backend. Each abort of the group runs
 // every hook once, on the aborting thread, before the communicators are aborted; a hook that
@@ -139,9 +142,6 @@ class ResilientBackend : public c10d::Backend {
   // The kind of the last reconfigure's plan ("shrink" or "fresh", then "+fallback" where a
   // shrink failed and the members built afresh); empty before any.
   std::string lastReconfigure() const;
-  void addAbortHook(int64_t hookId, std::function<void()> hook) {
-    hooks_->add(hookId, std::move(hook));
-  }
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
   // Survivors only. shrinkFlags & 1 (SHRINK_ABORT), or a failed group, aborts this group first.
