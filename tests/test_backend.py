@@ -171,7 +171,7 @@ def _bad_inputs(ctx: WorkerContext) -> dict:
         "unsupported_dtype": lambda: dist.all_reduce(torch.ones(4, dtype=torch.uint32)),
         "band_op": lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.BAND),
         "avg_on_int": lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.AVG),
-        "sparse": lambda: dist.all_reduce(torch.ones(4).to_sparse()),
+        "sparse_max": lambda: dist.all_reduce(torch.ones(4).to_sparse(), op=dist.ReduceOp.MAX),
         "gather_list_length": lambda: dist.all_gather([torch.empty(4)] * (n + 1), f),
         "gather_list_numel": lambda: dist.all_gather([torch.empty(5) for _ in range(n)], f),
         "gather_list_dtype": lambda: dist.all_gather([torch.empty(4, dtype=torch.int64) for _ in range(n)], f),
@@ -206,7 +206,7 @@ EXPECTED_BAD_INPUT: dict[str, str | tuple[str, ...]] = {
     "unsupported_dtype": "unsupported dtype UInt32",
     "band_op": "unsupported reduce op",
     "avg_on_int": "AVG needs a floating-point tensor",
-    "sparse": "not a dense",
+    "sparse_max": "sparse tensors reduce with SUM only",
     "gather_list_length": "must be a list of 2 tensors",
     "gather_list_numel": "output tensors have 5 elements but the input has 4",
     "gather_list_dtype": "different dtypes",  # caught by torch before the backend

@@ -40,21 +40,62 @@ std::shared_ptr<Communicator> ResilientBackend::deviceCommFor(const at::Device& 
     C10_THROW_ERROR(ValueError, site.prefix() + "tensors on " + dev.str() + " are not supported; " +
                                     opts_.backendName + " carries " + carries + " tensors");
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  if (device_) {
-    if (dev != deviceOf_) {
+  auto existing = [&]() -> std::shared_ptr<Communicator> {
+    if (device_ && dev != deviceOf_) {
       C10_THROW_ERROR(ValueError, site.prefix() + "this group's device communicator is on " + deviceOf_.str() +
                                       ", the tensors on " + dev.str());
     }
     return device_;
+  };
+  bool reconfigured = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto d = existing()) {
+      return d;
+    }
+    reconfigured = !configTag_.empty();
   }
-  Result<std::shared_ptr<Communicator>> made = npu ? makeHccl(dev) : makeNccl(dev);
+  // After torch's reconfigure the members share handles, not necessarily a store: they agree
+  // on NCCL's bootstrap id over the host communicator (outside the lock: it queues a host op).
+  std::vector<uint8_t> id;
+  if (cuda && reconfigured) {
+    id = bootstrapIdOverHost(dev, site);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto d = existing()) {
+    return d;  // another thread made it meanwhile
+  }
+  Result<std::shared_ptr<Communicator>> made = npu ? makeHccl(dev) : makeNccl(dev, std::move(id));
   if (!made.isOk()) {
     C10_THROW_ERROR(ValueError, site.prefix() + made.status().message());
   }
   device_ = made.take();
   deviceOf_ = dev;
   return device_;
+}
+
+std::vector<uint8_t> ResilientBackend::bootstrapIdOverHost(const at::Device& dev, const OpSite& site) {
+  // One byte (1: rank 0 made the id) and the id, broadcast from rank 0, queued like any host
+  // op: every member takes it at the same point of its program (its first device op).
+  auto buf = std::make_shared<std::vector<uint8_t>>(1 + sizeof(nccl::ncclUniqueId), 0);
+  std::string why;
+  if (rank_ == 0) {
+    Result<NcclRuntime> rt = ncclRuntime(dev);
+    nccl::ncclResult_t r = rt.isOk() ? rt.value().api->getUniqueId(reinterpret_cast<nccl::ncclUniqueId*>(buf->data() + 1))
+                               : nccl::ncclInternalError;
+    (*buf)[0] = r == nccl::ncclSuccess ? 1 : 0;
+    why = rt.isOk() ? "ncclGetUniqueId failed (" + std::to_string(static_cast<int>(r)) + ")" : rt.status().message();
+  }
+  auto work = enqueue(cpuComm(), OpType::BROADCAST, "device bootstrap", {}, timeout_, /*mayRunInline=*/true,
+                      [buf](Communicator& c, const Deadline& dl) {
+                        return c.broadcast(buf->data(), buf->size(), DataType::kUInt8, 0, dl);
+                      });
+  work->wait(kNoTimeout);  // raises the host op's typed error
+  if ((*buf)[0] != 1) {
+    C10_THROW_ERROR(ValueError, site.prefix() + "rank 0 could not make the NCCL bootstrap id" +
+                                    (why.empty() ? std::string() : ": " + why));
+  }
+  return std::vector<uint8_t>(buf->begin() + 1, buf->end());
 }
 
 Result<ResilientBackend::NcclRuntime> ResilientBackend::ncclRuntime(const at::Device& dev) {
@@ -69,11 +110,11 @@ Result<ResilientBackend::NcclRuntime> ResilientBackend::ncclRuntime(const at::De
   return rt;
 }
 
-Result<std::shared_ptr<Communicator>> ResilientBackend::makeNccl(const at::Device& dev) {
+Result<std::shared_ptr<Communicator>> ResilientBackend::makeNccl(const at::Device& dev, std::vector<uint8_t> id) {
   NcclRuntime rt;
   RC_ASSIGN_OR_RETURN(rt, ncclRuntime(dev));
   nccl::NcclOptions o{opts_.groupName, store_, "resilient_comm_nccl/" + opts_.groupName + "/" + configTag_, rank_,
-                      size_};
+                      size_, std::move(id)};
   std::shared_ptr<nccl::NcclCommunicator> comm;
   RC_ASSIGN_OR_RETURN(comm, nccl::NcclCommunicator::create(rt.api, rt.streams, std::move(o), Deadline::after(timeout_)));
   return std::shared_ptr<Communicator>(comm);

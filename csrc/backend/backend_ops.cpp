@@ -10,6 +10,7 @@
 // body, which a device op keeps until its end event has completed.
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <memory>
 
 #include "backend/resilient_backend.h"
@@ -100,6 +101,9 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::broadcast(std::vector<at::Tenso
 c10::intrusive_ptr<c10d::Work> ResilientBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                            const c10d::AllreduceOptions& opts) {
   OpSite site{opts_.backendName, opts_.groupName, rank_, "all_reduce"};
+  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse()) {
+    return allreduceSparse(tensors, opts);  // as ProcessGroupGloo::allreduce does
+  }
   checkSingle(site, tensors, "tensors");
   auto comm = commFor(tensors, site.op);
   at::Tensor t = tensors[0];
@@ -583,9 +587,29 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::barrier(const c10d::BarrierOpti
   return enqueue(cpuComm(), OpType::BARRIER, "barrier", {}, opts.timeout, !opts.asyncOp, body);
 }
 
-c10::intrusive_ptr<c10d::Work> ResilientBackend::recvAnysource(std::vector<at::Tensor>&, int) {
+// Torch's recv with no src. On the TCP transport (host tensors); NCCL has no receive from any
+// source (ProcessGroupNCCL refuses it too).
+c10::intrusive_ptr<c10d::Work> ResilientBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   OpSite site{opts_.backendName, opts_.groupName, rank_, "recv"};
-  C10_THROW_ERROR(ValueError, site.prefix() + "receiving from any source is not supported; pass src");
+  checkSingle(site, tensors, "tensors");
+  auto comm = commFor(tensors, site.op);
+  if (comm->streamOrdered()) {
+    C10_THROW_ERROR(ValueError, site.prefix() + "receiving from any source is not supported for " +
+                                    tensors[0].device().str() + " tensors (NCCL has no such receive); pass src");
+  }
+  const at::Tensor& t = tensors[0];
+  auto source = std::make_shared<std::atomic<int>>(-1);
+  void* buf = ptr(t);
+  size_t bytes = t.nbytes();
+  auto work = enqueue(comm, OpType::RECVANYSOURCE, site.op, {t}, c10d::kUnsetTimeout, /*mayRunInline=*/false,
+                      [buf, bytes, tag, source](Communicator& c, const Deadline& dl) {
+                        int src = -1;
+                        Status st = c.recvAny(buf, bytes, static_cast<uint64_t>(tag), dl, &src);
+                        source->store(src);
+                        return st;
+                      });
+  static_cast<ResilientWork*>(work.get())->setSourceRank(source);
+  return work;
 }
 
 }  // namespace resilient_comm

@@ -308,7 +308,7 @@ void ResilientBackend::supersede(const std::shared_ptr<Communicator>& old, const
     coalescing_ = false;
     running = running_;
   }
-  const Status st(StatusCode::kAborted, why);
+  const Status st(StatusCode::kAborted, why + ", before it started");
   for (Task& t : dropped) {
     finishTask(t, st);
   }

@@ -172,10 +172,10 @@ std::optional<CommErrorInfo> ResilientBackend::errorInfo() const {
 
 void ResilientBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
   // Rank 0 hears from every rank, then releases them. All of rank 0's receives progress
-  // together, so on timeout the error lists every rank that did not arrive (waitAllRanks is
-  // therefore always honoured).
-  (void)waitAllRanks;
+  // together, so its verdict can name every rank that did not arrive. A failure reads as
+  // gloo's does (code written for torch matches on it), with our cause after it.
   std::chrono::milliseconds timeout = opts.timeout.count() < 0 ? timeout_ : opts.timeout;
+  const std::chrono::milliseconds limit = timeout;
   if (rank_ != 0) {
     // Rank 0 judges who is missing; the others wait a little longer, so that rank 0's verdict
     // (forwarded to them in an error frame) is what every rank reports, not their own timeout.
@@ -183,7 +183,9 @@ void ResilientBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool w
   }
   constexpr uint64_t kTag = 0x6d6f6e69746f72ULL;  // "monitor"
   // Shared with the task: a watchdog expiry can release this thread while the task runs.
-  auto bytes = std::make_shared<std::vector<uint8_t>>(size_, 1);
+  // Rank 0 receives rank p's byte (1) at index p; index 0 holds what the others send.
+  auto bytes = std::make_shared<std::vector<uint8_t>>(size_, 0);
+  (*bytes)[0] = 1;
   std::vector<P2POp> ops;
   for (int p = 0; p < size_; ++p) {
     if (p != rank_ && (rank_ == 0 || p == 0)) {
@@ -191,20 +193,51 @@ void ResilientBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool w
     }
   }
   checkConfigured("monitored_barrier");
+  const int rank = rank_;
+  const int size = size_;
+  auto verdict = [rank, size, bytes, waitAllRanks, limit](const Status& st) {
+    std::string head;
+    if (rank == 0) {
+      std::vector<int> missing;
+      for (int p = 1; p < size; ++p) {
+        if ((*bytes)[p] == 0) {
+          missing.push_back(p);
+        }
+      }
+      if (missing.empty()) {
+        return st;  // everyone arrived; the release failed
+      }
+      if (!waitAllRanks) {
+        missing.resize(1);  // gloo names the first rank it found missing
+      }
+      std::string list;
+      for (int p : missing) {
+        list += (list.empty() ? "" : ", ") + std::to_string(p);
+      }
+      head = "[Rank 0]: " + std::string(missing.size() > 1 || waitAllRanks ? "Ranks " : "Rank ") + list +
+             " failed to pass monitoredBarrier in " + std::to_string(limit.count()) + " ms";
+    } else {
+      head = "Rank " + std::to_string(rank) +
+             " successfully reached monitoredBarrier, but received errors while waiting for send/recv from rank 0. "
+             "Please check rank 0 logs for faulty rank.";
+    }
+    return Status(st.code(), head + "\n Original exception: \n" + st.message());
+  };
   auto work = enqueue(cpuComm(), OpType::BARRIER, "monitored_barrier", {}, timeout, false,
-                      [this, ops, bytes](Communicator& c, const Deadline& dl) {
-                        Status st = c.sendRecv(rank_ == 0 ? ops : std::vector<P2POp>{P2POp{
-                                                                       P2POp::Kind::kSend, 0, bytes->data(), 1, kTag}},
+                      [rank, ops, bytes, verdict](Communicator& c, const Deadline& dl) {
+                        Status st = c.sendRecv(rank == 0 ? ops : std::vector<P2POp>{P2POp{
+                                                                      P2POp::Kind::kSend, 0, bytes->data(), 1, kTag}},
                                                dl);
                         if (!st.isOk()) {
-                          return st;
+                          return verdict(st);
                         }
                         std::vector<P2POp> release;
                         for (const P2POp& op : ops) {
-                          release.push_back(P2POp{rank_ == 0 ? P2POp::Kind::kSend : P2POp::Kind::kRecv, op.peer,
+                          release.push_back(P2POp{rank == 0 ? P2POp::Kind::kSend : P2POp::Kind::kRecv, op.peer,
                                                   op.buf, 1, kTag});
                         }
-                        return c.sendRecv(release, dl);
+                        st = c.sendRecv(release, dl);
+                        return st.isOk() || rank == 0 ? st : verdict(st);
                       });
   work->wait(kNoTimeout);
 }

@@ -44,6 +44,8 @@
 
 namespace resilient_comm {
 
+struct OpSite;  // backend/tensor_args.h
+
 namespace nccl {
 class NcclApi;
 }
@@ -197,6 +199,10 @@ class ResilientBackend : public c10d::Backend {
                                            const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
+  // Sparse COO tensors (SUM, host tensors), as gloo: sparse_allreduce.cpp. all_reduce sends
+  // them here too.
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                      const c10d::AllreduceCoalescedOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
@@ -238,6 +244,8 @@ class ResilientBackend : public c10d::Backend {
  private:
   using Body = std::function<Status(Communicator&, const Deadline&)>;
 
+  c10::intrusive_ptr<c10d::Work> allreduceSparse(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts);
+
   // Runs `body` on `comm`: launched on a device communicator, else queued on the worker (a
   // synchronous op, mayRunInline, on an idle group runs on the calling thread instead). The
   // Work completes with its Status.
@@ -256,7 +264,10 @@ class ResilientBackend : public c10d::Backend {
   };
   // The NCCL library (the emulator for a CPU device) and the device's streams.
   static Result<NcclRuntime> ncclRuntime(const at::Device& dev);
-  Result<std::shared_ptr<Communicator>> makeNccl(const at::Device& dev);
+  // `id`: the bootstrap id the members agreed on already (bootstrapIdOverHost); empty: through
+  // the store.
+  Result<std::shared_ptr<Communicator>> makeNccl(const at::Device& dev, std::vector<uint8_t> id = {});
+  std::vector<uint8_t> bootstrapIdOverHost(const at::Device& dev, const OpSite& site);
   Result<std::shared_ptr<Communicator>> makeHccl(const at::Device& dev);
   void workerLoop();
 

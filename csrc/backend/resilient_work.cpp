@@ -48,6 +48,16 @@ uint64_t ResilientWork::getSequencenumber() const {
   return site_.seq.value_or(0);
 }
 
+int ResilientWork::sourceRank() const {
+  if (source_ == nullptr) {
+    return c10d::Work::sourceRank();  // torch's error: only a recv from any source has one
+  }
+  int src = source_->load();
+  TORCH_CHECK(src >= 0, site_.backend, ": the source rank of a recv from any source is known once it completed; ",
+              "wait() for it first");
+  return src;
+}
+
 void ResilientWork::setSeq(uint64_t seq) {
   std::lock_guard<std::mutex> lock(mutex_);
   site_.seq = seq;

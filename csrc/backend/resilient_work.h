@@ -22,6 +22,7 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -55,6 +56,11 @@ class ResilientWork : public c10d::Work {
   void abort() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   uint64_t getSequencenumber() const override;
+  // recv from any source: the rank the message came from, once the Work completed.
+  int sourceRank() const override;
+  void setSourceRank(std::shared_ptr<const std::atomic<int>> source) {
+    source_ = std::move(source);
+  }
 
   // The collective's sequence number, known once the op starts.
   void setSeq(uint64_t seq);
@@ -81,6 +87,7 @@ class ResilientWork : public c10d::Work {
   std::shared_ptr<PendingOp> op_;  // set once by attach(), before the Work is handed out
   bool hostWaits_ = false;
   bool futureSet_ = false;  // guarded by mutex_
+  std::shared_ptr<const std::atomic<int>> source_;  // written by the op, before it completes
 };
 
 }  // namespace resilient_comm

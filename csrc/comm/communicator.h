@@ -125,6 +125,12 @@ class Communicator {
   // readable the communicator drains it and adds feed->take()'s ops (an isend issued before
   // its irecv must not wait for the peer to drain it first).
   virtual Status sendRecv(const std::vector<P2POp>& ops, const Deadline& dl, const P2PFeed* feed = nullptr) = 0;
+  // A receive of `bytes` with `tag` from whichever rank sends it first (torch's recv with no
+  // src); `*source` receives that rank. Transports without it return kNotSupported.
+  virtual Status recvAny(void* buf, size_t bytes, uint64_t tag, const Deadline& dl, int* source) {
+    (void)buf, (void)bytes, (void)tag, (void)dl, (void)source;
+    return Status(StatusCode::kNotSupported, "receiving from any source is not supported by this transport; pass src");
+  }
 
   // Fault-tolerance moves (DESIGN.md §3). Transports that lack one return kNotSupported.
   // Each returns the new communicator at once, still Initializing (waitReady() it; abort() it

@@ -255,6 +255,36 @@ TEST(hccl_shrink_builds_sub_communicators_from_the_world) {
   CHECK(api->misuse == 0);
 }
 
+// What torch's reconfigure asks of the HCCL device communicator (backend_reconfigure.cpp, the
+// same code that the NCCL emulator's tests drive end to end): a shrink plan shrinks the failed
+// world after its error; a fresh plan aborts it and builds a new world under the uuid's prefix.
+TEST(hccl_reconfigure_shrinks_a_failed_world_or_builds_a_fresh_one) {
+  FakeHcclScript s;
+  s.asyncErrorAfterOps = 0;
+  HcclRig r = makeRig(s, 3);
+  CHECK(r.comm->waitReady(in(2000)).isOk());
+  float x[1] = {1};
+  CHECK(r.comm->allReduce(x, 1, DataType::kFloat32, RedOp::kSum, in(2000)).code() == StatusCode::kPeerFailure);
+  CHECK(!r.comm->error().isOk());
+  auto child = r.comm->shrink({2}, /*afterError=*/true, in(2000));
+  CHECK(child.isOk()) << child.status().toString();
+  CHECK(child.value()->waitReady(in(2000)).isOk());
+  CHECK(child.value()->size() == 2 && child.value()->rank() == 0);
+  CHECK((r.api->lastRankIds() == std::vector<uint32_t>{0, 1}));
+  CHECK(r.api->inits == 1) << "a shrink derives from the world: no new root info";
+
+  HcclRig fresh = makeRig(FakeHcclScript{}, 1);
+  HcclOptions o = options(fresh, 2);
+  o.prefix = "hccl/u7/";  // the backend's configTag for reconfigure uuid 7
+  fresh.comm->abort("superseded by reconfigure (uuid 7)");
+  auto made = HcclCommunicator::create(fresh.api, o, in(2000));
+  CHECK(made.isOk()) << made.status().toString();
+  CHECK(made.value()->waitReady(in(2000)).isOk());
+  CHECK(fresh.store->check({"hccl/u7/e1/uid"})) << "the fresh world bootstraps under the uuid's keys";
+  CHECK(made.value()->allReduce(x, 1, DataType::kFloat32, RedOp::kSum, in(1000)).isOk());
+  CHECK(r.api->misuse == 0 && fresh.api->misuse == 0);
+}
+
 TEST(hccl_split_from_the_world) {
   HcclRig r = makeRig(FakeHcclScript{}, 1);
   CHECK(r.comm->waitReady(in(2000)).isOk());

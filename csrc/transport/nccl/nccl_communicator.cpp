@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <algorithm>
+#include <cstring>
 #include <thread>
 
 #include "comm/bootstrap_id.h"
@@ -86,6 +87,7 @@ Result<std::shared_ptr<NcclCommunicator>> NcclCommunicator::makeChild(int rank, 
   std::shared_ptr<device::StreamOps> streams;
   RC_ASSIGN_OR_RETURN(streams, streams_->fork());
   NcclOptions o = opts_;
+  o.bootstrapId.clear();  // the parent's; a child makes its own
   o.rank = rank;
   o.size = size;
   o.prefix = std::move(prefix);  // the child's own: its later moves cannot meet the parent's keys
@@ -159,6 +161,18 @@ Status NcclCommunicator::call(const char* what, const std::function<ncclResult_t
 
 Status NcclCommunicator::initWithId(const std::string& key, const Deadline& dl) {
   ncclUniqueId id{};
+  if (!opts_.bootstrapId.empty()) {
+    if (opts_.bootstrapId.size() != sizeof(id)) {
+      return Status(StatusCode::kInvalidArgument, "a bootstrap id of " + std::to_string(opts_.bootstrapId.size()) +
+                                                      " bytes; an ncclUniqueId has " + std::to_string(sizeof(id)));
+    }
+    std::memcpy(&id, opts_.bootstrapId.data(), sizeof(id));
+    opts_.bootstrapId.clear();  // once: a later re-init makes a new one
+    ncclConfig_t cfg = nonBlockingConfig();
+    return call(
+        "ncclCommInitRankConfig",
+        [&](ncclComm_t) { return api_->commInitRankConfig(handle_->slot(), opts_.size, id, opts_.rank, &cfg); }, dl);
+  }
   RC_RETURN_IF_ERROR(exchangeId(
       opts_.store, key, opts_.rank == 0,
       [&](void* out) { return mapError("ncclGetUniqueId", api_->getUniqueId(static_cast<ncclUniqueId*>(out))); },

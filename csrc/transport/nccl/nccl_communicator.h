@@ -71,6 +71,10 @@ struct NcclOptions {
   std::string prefix;  // store key prefix; init adds an incarnation to it
   int rank = 0;
   int size = 1;
+  // The ncclUniqueId every member already holds (the backend agrees on it over its host
+  // communicator after torch's reconfigure, where members share handles, not a store). Empty:
+  // rank 0 makes one and the members read it through `store`. Used by create() only.
+  std::vector<uint8_t> bootstrapId{};
 };
 
 class NcclCommunicator : public CommLifecycle, public Polled, public std::enable_shared_from_this<NcclCommunicator> {

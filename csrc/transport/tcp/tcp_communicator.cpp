@@ -635,4 +635,32 @@ Status TcpCommunicator::sendRecv(const std::vector<P2POp>& ops, const Deadline& 
   return fail(x.run(), where);
 }
 
+Status TcpCommunicator::recvAny(void* buf, size_t bytes, uint64_t tag, const Deadline& dl, int* source) {
+  const std::string where = "recv from any source on group '" + opts_.name + "' rank " + std::to_string(opts_.rank);
+  if (opts_.size < 2) {
+    return Status(StatusCode::kInvalidArgument, "receiving from any source: the group has no other rank");
+  }
+  RC_RETURN_IF_ERROR(ready(dl));
+  if (links_ != nullptr && links_->onDemand()) {
+    // A lower rank waits for us to dial it (mesh.h, [Note: lazy connections]); dialling every
+    // one for a message that may come from another could wait on each for the deadline.
+    std::string missing;
+    for (int p = 0; p < opts_.rank; ++p) {
+      if (!peers_[p].sock.valid()) {
+        missing += (missing.empty() ? "" : ", ") + std::to_string(p);
+      }
+    }
+    if (!missing.empty()) {
+      return Status(StatusCode::kNotSupported,
+                    "receiving from any source: in a group above RESILIENT_COMM_TCP_FULL_MESH ranks a rank "
+                    "hears only the ranks it is connected to, and lower rank(s) " + missing +
+                        " are not yet; pass src, or raise RESILIENT_COMM_TCP_FULL_MESH");
+    }
+  }
+  Transfer x(peers_, opts_.rank, MsgMeta{OpKind::kSendRecv, DataType::kUInt8, RedOp::kSum, 0, 0, meshHash()}, dl, abort_,
+             links_.get());
+  x.recvAny(buf, bytes, tag, recvSeq_, source);
+  return fail(x.run(), where);
+}
+
 }  // namespace resilient_comm::tcp

@@ -109,6 +109,7 @@ class TcpCommunicator : public CommLifecycle, public std::enable_shared_from_thi
   Status scatter(const void* send, void* recv, size_t count, DataType dt, int root, const Deadline& dl) override;
   Status barrier(const Deadline& dl) override;
   Status sendRecv(const std::vector<P2POp>& ops, const Deadline& dl, const P2PFeed* feed = nullptr) override;
+  Status recvAny(void* buf, size_t bytes, uint64_t tag, const Deadline& dl, int* source) override;
 
   Result<std::shared_ptr<Communicator>> shrink(const std::vector<int>& exclude, bool afterError,
                                                const Deadline& dl) override;

@@ -116,7 +116,27 @@ void Transfer::recvP2P(int peer, void* buf, size_t bytes, uint64_t seq, uint64_t
   q_[peer].recvs.push_back(RecvItem{header(bytes, seq, tag), {}, static_cast<char*>(buf), 0, false, nullptr});
 }
 
+void Transfer::recvAny(void* buf, size_t bytes, uint64_t tag, std::vector<uint64_t>& seqs, int* source) {
+  any_ = AnyRecv{true, static_cast<char*>(buf), bytes, tag, &seqs, source};
+}
+
+Status Transfer::anyPeersLeft() const {
+  if (!any_.open) {
+    return Status::ok();
+  }
+  for (size_t p = 0; p < peers_.size(); ++p) {
+    if (static_cast<int>(p) != self_ && !peers_[p].hangupSeen) {
+      return Status::ok();
+    }
+  }
+  return Status(StatusCode::kPeerFailure, "every other rank hung up while rank " + std::to_string(self_) +
+                                              " waited to receive from any source");
+}
+
 bool Transfer::pending() const {
+  if (any_.open) {
+    return true;
+  }
   for (const Queues& q : q_) {
     if (!q.sends.empty() || !q.recvs.empty()) {
       return true;
@@ -309,6 +329,15 @@ Status Transfer::peekUnexpected(int peer) {
   if (static_cast<size_t>(r) < kHdr) {
     return Status::ok();  // the rest of the header is on its way
   }
+  if (any_.open && h.magic == kWireMagic && h.kind == static_cast<uint8_t>(MsgKind::kData) &&
+      h.op == static_cast<uint8_t>(OpKind::kSendRecv) && h.tag == any_.tag && h.seq == (*any_.seqs)[peer]) {
+    // The message recvAny() waits for: received from this peer like any other (its size is
+    // checked there), and no longer from anyone else.
+    any_.open = false;
+    *any_.source = peer;
+    recvP2P(peer, any_.buf, any_.bytes, (*any_.seqs)[peer]++, any_.tag);
+    return progressRecv(peer);
+  }
   if (h.magic != kWireMagic || h.kind != static_cast<uint8_t>(MsgKind::kError)) {
     ignoreInput_[peer] = true;
     return Status::ok();
@@ -459,6 +488,9 @@ Status Transfer::progressRecv(int peer) {
 
 std::string Transfer::describePending() const {
   std::string s;
+  if (any_.open) {
+    s = "receiving from any rank (tag " + std::to_string(any_.tag) + ")";
+  }
   for (size_t p = 0; p < q_.size(); ++p) {
     if (!q_[p].recvs.empty()) {
       s += (s.empty() ? "" : ", ") + std::string("receiving from rank ") + std::to_string(p);
@@ -505,7 +537,15 @@ void Transfer::notifyPeers(const Status& failure) {
 Status Transfer::link(bool* waiting) {
   *waiting = false;
   for (size_t p = 0; p < q_.size(); ++p) {
-    if (peers_[p].sock.valid() || (q_[p].sends.empty() && q_[p].recvs.empty())) {
+    if (peers_[p].sock.valid() || static_cast<int>(p) == self_) {
+      continue;
+    }
+    if (q_[p].sends.empty() && q_[p].recvs.empty()) {
+      if (any_.open && links_ != nullptr && static_cast<int>(p) > self_) {
+        // A higher rank that sends to recvAny() dials us: take its connection if it came
+        // (never blocks; a lower rank must be connected already, see recvAny's caller).
+        RC_RETURN_IF_ERROR(links_->link(static_cast<int>(p), dl_));
+      }
       continue;
     }
     if (links_ == nullptr) {
@@ -530,6 +570,7 @@ Status Transfer::run() {
     bool progressed = false;
     bool waiting = false;  // for a higher rank to dial us (mesh.h, [Note: lazy connections])
     RC_RETURN_IF_ERROR(link(&waiting));
+    RC_RETURN_IF_ERROR(anyPeersLeft());
     for (size_t p = 0; p < q_.size(); ++p) {
       if (peers_[p].sock.valid()) {
         RC_RETURN_IF_ERROR(progressSend(static_cast<int>(p), &progressed));
@@ -569,7 +610,7 @@ Status Transfer::run() {
           // Moving a payload through the ring: what follows on the socket is a later frame,
           // read once this one is whole; the socket is watched for the hang-up only.
         } else if (!q.recvs.empty() ||
-                   !(ignoreInput_[p] || peers_[p].hangupSeen || (fenced && !watchFenced.passed()))) {
+                   !(ignoreInput_[p] || peers_[p].hangupSeen || (fenced && !watchFenced.passed() && !any_.open))) {
           // Without a receive queued: watching for a kError frame, behind a shrink's fence
           // only once this op has waited a while (see kWatchFencedAfter).
           ev |= POLLIN;
@@ -652,6 +693,7 @@ Status Transfer::run() {
             }
           }
           peers_[p].hangupSeen = peers_[p].hangupSeen || hup;
+          RC_RETURN_IF_ERROR(anyPeersLeft());
           continue;
         }
         if (!q_[p].recvs.empty() && (re & (POLLIN | POLLRDHUP | POLLHUP | POLLERR))) {

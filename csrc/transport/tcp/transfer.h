@@ -115,6 +115,12 @@ class Transfer {
   // Point-to-point messages carry their own per-pair sequence number and tag.
   void sendP2P(int peer, const void* buf, size_t bytes, uint64_t seq, uint64_t tag);
   void recvP2P(int peer, void* buf, size_t bytes, uint64_t seq, uint64_t tag);
+  // A receive from whichever peer's next frame is a point-to-point message with `tag` and that
+  // peer's expected sequence number `seqs[peer]` (which is then advanced); `*source` receives
+  // the peer. Every other peer is watched: a peer whose next frame is something else (another
+  // tag, a later collective) is left alone, a kError fails the op, and the op fails once every
+  // peer has hung up. At most one per Transfer, with nothing else posted before it resolves.
+  void recvAny(void* buf, size_t bytes, uint64_t tag, std::vector<uint64_t>& seqs, int* source);
 
   // While run() waits, a readable `fd` (an eventfd, drained here) calls `fn`, which may post
   // more sends and receives.
@@ -146,6 +152,15 @@ class Transfer {
     std::deque<SendItem> sends;
     std::deque<RecvItem> recvs;
   };
+  // recvAny()'s receive, until a peer's frame resolves it into a recvP2P from that peer.
+  struct AnyRecv {
+    bool open = false;
+    char* buf = nullptr;
+    size_t bytes = 0;
+    uint64_t tag = 0;
+    std::vector<uint64_t>* seqs = nullptr;
+    int* source = nullptr;
+  };
 
   WireHeader header(size_t bytes, uint64_t seq, uint64_t tag) const;
   Status progressSend(int peer, bool* progressed);
@@ -161,6 +176,8 @@ class Transfer {
   // A peer this op is not receiving from became readable: a kError frame fails the op; anything
   // else is a later op's message, left alone (the peer is not watched for input again).
   Status peekUnexpected(int peer);
+  // An open recvAny() and every peer gone: the failure, else Ok.
+  Status anyPeersLeft() const;
   Status progressFence(int peer);
   Status readMore(int peer, RecvItem& item, bool* blocked);
   // Marks dirty every peer whose stream this op left in the middle of a frame: the ones we
@@ -179,6 +196,7 @@ class Transfer {
   Deadline dl_;
   const AbortToken& abort_;
   std::vector<Queues> q_;
+  AnyRecv any_;
   std::vector<bool> ignoreInput_;  // a later op's message is waiting: stop peeking
   Links* links_;
   // When to next probe the higher ranks this op waits to hear a Hello from (Links::probe).
