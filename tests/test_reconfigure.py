@@ -124,15 +124,20 @@ def _grow(ctx: WorkerContext, backend: str) -> dict:
     hs = _handles(store, "h2", ctx.rank, [0, 1, 2, 3])
     dist._reconfigure(2, hs).wait()
     return {"before": before, "after": _sum_of([1.0, 2.0, 3.0, 4.0]), "rank": dist.get_rank(),
-            "size": dist.get_world_size()}
+            "size": dist.get_world_size(), "path": _backend().last_reconfigure(),
+            "again": _sum_of([1.0, 1.0, 1.0, 1.0])}
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grow_by_a_new_process(backend: str) -> None:
     for rank, v in enumerate(_run(_grow, 4, backend)):
-        assert v["after"] == 10.0 and v["size"] == 4 and v["rank"] == rank
+        assert v["after"] == 10.0 and v["again"] == 4.0 and v["size"] == 4 and v["rank"] == rank
         assert v["before"] == (6.0 if rank < 3 else None)
+        # The old members in their rank order, then a process that built none: a grow. The host
+        # communicator is built afresh; the device one (NCCL emulator) grows at its first op,
+        # the newcomer joining it (ncclCommGrow).
+        assert v["path"] == ("grow,device:grow" if backend == "resilient_nccl_emulated" else "grow"), v
 
 
 def _grow_own_store(ctx: WorkerContext, backend: str) -> dict:

@@ -57,15 +57,21 @@ std::shared_ptr<Communicator> ResilientBackend::deviceCommFor(const at::Device& 
   }
   // After torch's reconfigure the members share handles, not necessarily a store: they agree
   // on NCCL's bootstrap id over the host communicator (outside the lock: it queues a host op).
-  std::vector<uint8_t> id;
+  DeviceBootstrap how;
   if (cuda && reconfigured) {
-    id = bootstrapIdOverHost(dev, site);
+    how = bootstrapOverHost(dev, site);
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (auto d = existing()) {
     return d;  // another thread made it meanwhile
   }
-  Result<std::shared_ptr<Communicator>> made = npu ? makeHccl(dev) : makeNccl(dev, std::move(id));
+  Result<std::shared_ptr<Communicator>> made =
+      npu ? makeHccl(dev) : (cuda && reconfigured ? makeNcclAfterReconfigure(dev, std::move(how)) : makeNccl(dev));
+  if (growFrom_) {  // not grown (HCCL, or rank 0 built afresh): done with it
+    abortComm(growFrom_, "superseded by a device communicator made afresh");
+  }
+  growFrom_.reset();
+  grownFrom_ = 0;
   if (!made.isOk()) {
     C10_THROW_ERROR(ValueError, site.prefix() + made.status().message());
   }
@@ -74,17 +80,40 @@ std::shared_ptr<Communicator> ResilientBackend::deviceCommFor(const at::Device& 
   return device_;
 }
 
-std::vector<uint8_t> ResilientBackend::bootstrapIdOverHost(const at::Device& dev, const OpSite& site) {
-  // One byte (1: rank 0 made the id) and the id, broadcast from rank 0, queued like any host
-  // op: every member takes it at the same point of its program (its first device op).
-  auto buf = std::make_shared<std::vector<uint8_t>>(1 + sizeof(nccl::ncclUniqueId), 0);
+ResilientBackend::DeviceBootstrap ResilientBackend::bootstrapOverHost(const at::Device& dev, const OpSite& site) {
+  // Rank 0's verdict (1: ok; then 1: grow, 0: afresh) and the id, broadcast from rank 0, queued
+  // like any host op: every member takes it at the same point of its program (its first
+  // device op). On a grow rank 0 is an old member: the id is its communicator's grow id.
+  auto buf = std::make_shared<std::vector<uint8_t>>(2 + sizeof(nccl::ncclUniqueId), 0);
   std::string why;
   if (rank_ == 0) {
-    Result<NcclRuntime> rt = ncclRuntime(dev);
-    nccl::ncclResult_t r = rt.isOk() ? rt.value().api->getUniqueId(reinterpret_cast<nccl::ncclUniqueId*>(buf->data() + 1))
-                               : nccl::ncclInternalError;
-    (*buf)[0] = r == nccl::ncclSuccess ? 1 : 0;
-    why = rt.isOk() ? "ncclGetUniqueId failed (" + std::to_string(static_cast<int>(r)) + ")" : rt.status().message();
+    std::shared_ptr<nccl::NcclCommunicator> from;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (grownFrom_ > 0 && deviceOf_ == dev) {
+        from = std::dynamic_pointer_cast<nccl::NcclCommunicator>(growFrom_);
+      }
+    }
+    Status st;
+    if (from && from->nativeGrow()) {
+      Result<std::vector<uint8_t>> id = from->growId(Deadline::after(timeout_));
+      st = id.status();
+      if (id.isOk() && id.value().size() == sizeof(nccl::ncclUniqueId)) {
+        std::copy(id.value().begin(), id.value().end(), buf->begin() + 2);
+        (*buf)[1] = 1;
+      }
+    } else {
+      Result<NcclRuntime> rt = ncclRuntime(dev);
+      nccl::ncclResult_t r = rt.isOk() ? rt.value().api->getUniqueId(
+                                             reinterpret_cast<nccl::ncclUniqueId*>(buf->data() + 2))
+                                       : nccl::ncclInternalError;
+      st = !rt.isOk() ? rt.status()
+           : r == nccl::ncclSuccess
+               ? Status::ok()
+               : Status(StatusCode::kInternal, "ncclGetUniqueId failed (" + std::to_string(static_cast<int>(r)) + ")");
+    }
+    (*buf)[0] = st.isOk() ? 1 : 0;
+    why = st.message();
   }
   auto work = enqueue(cpuComm(), OpType::BROADCAST, "device bootstrap", {}, timeout_, /*mayRunInline=*/true,
                       [buf](Communicator& c, const Deadline& dl) {
@@ -95,7 +124,38 @@ std::vector<uint8_t> ResilientBackend::bootstrapIdOverHost(const at::Device& dev
     C10_THROW_ERROR(ValueError, site.prefix() + "rank 0 could not make the NCCL bootstrap id" +
                                     (why.empty() ? std::string() : ": " + why));
   }
-  return std::vector<uint8_t>(buf->begin() + 1, buf->end());
+  return DeviceBootstrap{(*buf)[1] == 1, std::vector<uint8_t>(buf->begin() + 2, buf->end())};
+}
+
+// Called with mu_ held.
+Result<std::shared_ptr<Communicator>> ResilientBackend::makeNcclAfterReconfigure(const at::Device& dev,
+                                                                                DeviceBootstrap how) {
+  if (!how.grow) {
+    return makeNccl(dev, std::move(how.id));
+  }
+  const std::string prefix = "resilient_comm_nccl/" + opts_.groupName + "/" + configTag_;
+  if (rank_ < grownFrom_) {  // an old member: its communicator grows
+    auto from = std::dynamic_pointer_cast<nccl::NcclCommunicator>(growFrom_);
+    if (!from || deviceOf_ != dev) {
+      return Status(StatusCode::kInternal, "rank 0 grows the device communicator, and this old member has none on " +
+                                               dev.str() + " to grow");
+    }
+    Result<std::shared_ptr<Communicator>> grown = from->growWithId(size_, how.id, prefix, store_, Deadline::after(timeout_));
+    if (grown.isOk()) {
+      lastPlan_ += ",device:grow";
+    }
+    // Dropped, not aborted: the child's bootstrap runs through the parent's, and the child's
+    // start holds it until the grow completed; then it is finalized (NCCL's guide).
+    growFrom_.reset();
+    return grown;
+  }
+  NcclRuntime rt;  // a newcomer: it joins the grow
+  RC_ASSIGN_OR_RETURN(rt, ncclRuntime(dev));
+  nccl::NcclOptions o{opts_.groupName, store_, prefix, rank_, size_, std::move(how.id)};
+  std::shared_ptr<nccl::NcclCommunicator> comm;
+  RC_ASSIGN_OR_RETURN(comm, nccl::NcclCommunicator::join(rt.api, rt.streams, std::move(o), Deadline::after(timeout_)));
+  lastPlan_ += ",device:grow";
+  return std::shared_ptr<Communicator>(comm);
 }
 
 Result<ResilientBackend::NcclRuntime> ResilientBackend::ncclRuntime(const at::Device& dev) {

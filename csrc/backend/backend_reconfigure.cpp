@@ -225,16 +225,27 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::reconfigureWith(int64_t uuid, c
   std::shared_ptr<Communicator> endLater = healthy ? old : nullptr;
 
   // The device communicator: shrunk with the host one (ncclCommShrink, revoking it first where
-  // it failed), else aborted and made afresh on first use under this configuration's keys.
+  // it failed); on a grow, kept to grow at its first use (ncclCommGrow, the newcomers joining:
+  // deviceCommFor); else aborted and made afresh on first use under this configuration's keys.
   std::shared_ptr<Communicator> device;
+  std::shared_ptr<Communicator> unusedGrow;  // a previous grow that never reached a device op
   {
     std::lock_guard<std::mutex> lock(mu_);
     device.swap(device_);
+    unusedGrow.swap(growFrom_);
+  }
+  if (unusedGrow) {
+    abortComm(unusedGrow, why);
   }
   std::shared_ptr<Communicator> nextDevice;
+  std::shared_ptr<Communicator> growFrom;
   std::string devicePath;
   if (device) {
     devicePath = ",device:fresh";
+    if (plan.kind == ReconfigurePlan::Kind::kGrow && device->error().isOk()) {
+      growFrom = device;
+      devicePath = "";  // said at the first device op, where it grows (deviceCommFor)
+    }
     if (plan.kind == ReconfigurePlan::Kind::kShrink) {
       auto r = device->shrink(plan.exclude, /*afterError=*/!healthy || !device->error().isOk(), dl);
       if (r.isOk() && r.value()) {
@@ -244,7 +255,7 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::reconfigureWith(int64_t uuid, c
         RC_LOG(kWarning, at.prefix() << "device shrink failed (" << r.status().message() << "); made afresh on first use");
       }
     }
-    if (!nextDevice) {
+    if (!nextDevice && !growFrom) {
       abortComm(device, why);
     }
   }
@@ -252,6 +263,8 @@ c10::intrusive_ptr<c10d::Work> ResilientBackend::reconfigureWith(int64_t uuid, c
     std::lock_guard<std::mutex> lock(mu_);
     cpu_ = next;
     device_ = nextDevice;
+    growFrom_ = growFrom;
+    grownFrom_ = plan.kind == ReconfigurePlan::Kind::kGrow ? plan.grownFrom : 0;
     rank_ = plan.rank;
     size_ = static_cast<int>(plan.members.size());
     lastPlan_ = planKindName(plan.kind) + devicePath;

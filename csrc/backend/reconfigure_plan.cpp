@@ -114,7 +114,7 @@ Result<ReconfigureHandle> parseReconfigureHandle(const std::string& text, const 
 }
 
 const char* planKindName(ReconfigurePlan::Kind kind) {
-  return kind == ReconfigurePlan::Kind::kShrink ? "shrink" : "fresh";
+  return kind == ReconfigurePlan::Kind::kShrink ? "shrink" : kind == ReconfigurePlan::Kind::kGrow ? "grow" : "fresh";
 }
 
 Result<ReconfigurePlan> planReconfigure(const std::vector<std::string>& handles, bool ordered, const std::string& self,
@@ -184,6 +184,20 @@ Result<ReconfigurePlan> planReconfigure(const std::vector<std::string>& handles,
         plan.exclude.push_back(r);
       }
     }
+    return plan;
+  }
+  // A grow: every member of one communicator, in its rank order (ranks 0..size-1), then
+  // processes that never built one.
+  const size_t had = first.identity != 0 ? static_cast<size_t>(first.size) : 0;
+  bool grow = had > 0 && had < plan.members.size();
+  for (size_t i = 0; grow && i < plan.members.size(); ++i) {
+    const ReconfigureHandle& h = plan.members[i];
+    grow = i < had ? h.identity == first.identity && h.size == first.size && h.rank == static_cast<int>(i)
+                   : h.identity == 0;
+  }
+  if (grow) {
+    plan.kind = ReconfigurePlan::Kind::kGrow;
+    plan.grownFrom = static_cast<int>(had);
     return plan;
   }
   plan.kind = ReconfigurePlan::Kind::kFresh;

@@ -24,8 +24,11 @@
 //   connections resynchronised and reused: tcp_communicator.h, [Note: shrink reuses
 //   connections]); the same members in the same order is a shrink that excludes nobody (after
 //   an abort, say);
-// - anything else (a reorder, a grow by new processes, a merge of groups) → a fresh
-//   communicator over the handles' listeners, named by the uuid and the member list.
+// - all of one communicator in its rank order, then processes that never built one → a grow:
+//   the host communicator is built afresh over the handles' listeners (as below), and the
+//   device communicator grows (ncclCommGrow) at its first use, the newcomers joining it;
+// - anything else (a reorder, a merge of groups) → a fresh communicator over the handles'
+//   listeners, named by the uuid and the member list.
 // A handle of a communicator this process has since replaced is stale: refused, like garbage,
 // a foreign MAC, a duplicate, or a list without this process's own current handle.
 #pragma once
@@ -55,11 +58,12 @@ std::string formatReconfigureHandle(const std::string& addr, uint64_t identity, 
 Result<ReconfigureHandle> parseReconfigureHandle(const std::string& text, const tcp::JobKey& key);
 
 struct ReconfigurePlan {
-  enum class Kind { kShrink, kFresh };
+  enum class Kind { kShrink, kGrow, kFresh };
   Kind kind = Kind::kFresh;
   std::vector<ReconfigureHandle> members;  // in new rank order
   int rank = -1;                           // this process's new rank
   std::vector<int> exclude;                // kShrink: ranks of the shrunk communicator left out
+  int grownFrom = 0;                       // kGrow: the current communicator's size (its ranks keep theirs)
   // A fresh communicator's name on the wire (kFresh, or a kShrink that fails on a member and
   // falls back to a fresh communicator).
   std::string epoch;

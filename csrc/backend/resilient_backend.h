@@ -267,7 +267,14 @@ class ResilientBackend : public c10d::Backend {
   // `id`: the bootstrap id the members agreed on already (bootstrapIdOverHost); empty: through
   // the store.
   Result<std::shared_ptr<Communicator>> makeNccl(const at::Device& dev, std::vector<uint8_t> id = {});
-  std::vector<uint8_t> bootstrapIdOverHost(const at::Device& dev, const OpSite& site);
+  // After a reconfigure, how the members make their device communicator, as rank 0 says over
+  // the host communicator: grow the old one (its newcomers joining) or build afresh, and the id.
+  struct DeviceBootstrap {
+    bool grow = false;
+    std::vector<uint8_t> id;
+  };
+  DeviceBootstrap bootstrapOverHost(const at::Device& dev, const OpSite& site);
+  Result<std::shared_ptr<Communicator>> makeNcclAfterReconfigure(const at::Device& dev, DeviceBootstrap how);
   Result<std::shared_ptr<Communicator>> makeHccl(const at::Device& dev);
   void workerLoop();
 
@@ -317,6 +324,10 @@ class ResilientBackend : public c10d::Backend {
   // The device communicator (NCCL for resilient_nccl's CUDA tensors, HCCL for
   // resilient_hccl's NPU tensors), made on first use; guarded by mu_.
   std::shared_ptr<Communicator> device_;
+  // After a reconfigure that grew the group: the old device communicator, grown at the first
+  // device op (deviceCommFor), and the old size (the newcomers' ranks start there; 0: no grow).
+  std::shared_ptr<Communicator> growFrom_;
+  int grownFrom_ = 0;
   at::Device deviceOf_{at::kCPU};
   std::atomic<int> splits_{0};  // splits of this group so far (every member splits in the same order)
 

@@ -67,10 +67,19 @@ Result<std::shared_ptr<NcclCommunicator>> NcclCommunicator::join(std::shared_ptr
         if (!self.features_.grow) {
           return self.initWithId(self.opts_.prefix + "uid", d);  // the members re-init too
         }
-        std::vector<std::string> uid;
-        RC_ASSIGN_OR_RETURN(uid, storeFetch(self.opts_.store, {self.opts_.prefix + "uid"}, d, self.abort_));
         ncclUniqueId id{};
-        RC_RETURN_IF_ERROR(hexDecode(uid[0], id.internal, sizeof(id.internal)));
+        if (!self.opts_.bootstrapId.empty()) {  // handed over by the caller
+          if (self.opts_.bootstrapId.size() != sizeof(id.internal)) {
+            return Status(StatusCode::kInvalidArgument, "join: a grow id of " +
+                                                            std::to_string(self.opts_.bootstrapId.size()) + " bytes");
+          }
+          std::memcpy(id.internal, self.opts_.bootstrapId.data(), sizeof(id.internal));
+          self.opts_.bootstrapId.clear();
+        } else {
+          std::vector<std::string> uid;
+          RC_ASSIGN_OR_RETURN(uid, storeFetch(self.opts_.store, {self.opts_.prefix + "uid"}, d, self.abort_));
+          RC_RETURN_IF_ERROR(hexDecode(uid[0], id.internal, sizeof(id.internal)));
+        }
         ncclConfig_t cfg = nonBlockingConfig();
         return self.call(
             "ncclCommGrow",

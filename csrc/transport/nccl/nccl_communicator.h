@@ -84,7 +84,8 @@ class NcclCommunicator : public CommLifecycle, public Polled, public std::enable
                                                           std::shared_ptr<device::StreamOps> streams, NcclOptions opts,
                                                           const Deadline& initDeadline);
   // A joiner of a grow (see Communicator::grow): opts.prefix is the join key, opts.rank and
-  // opts.size its rank in and the size of the grown communicator.
+  // opts.size its rank in and the size of the grown communicator. With opts.bootstrapId (rank
+  // 0's growId(), handed over by the caller) it reads nothing from the store.
   static Result<std::shared_ptr<NcclCommunicator>> join(std::shared_ptr<NcclApi> api,
                                                         std::shared_ptr<device::StreamOps> streams, NcclOptions opts,
                                                         const Deadline& dl);
@@ -118,6 +119,18 @@ class NcclCommunicator : public CommLifecycle, public Polled, public std::enable
   Result<std::shared_ptr<Communicator>> split(int color, int key, const Deadline& dl) override;
   Result<std::shared_ptr<Communicator>> grow(int newSize, const c10::intrusive_ptr<c10d::Store>& store,
                                              const std::string& joinKey, const Deadline& dl) override;
+  // grow() in two steps, for a caller that hands the id to the joiners itself (the backend,
+  // over its host communicator, after torch's reconfigure): rank 0 makes the id
+  // (ncclCommGetUniqueId), then every member grows with it (only rank 0's is read). Where the
+  // library has no ncclCommGrow (nativeGrow() false) the caller builds afresh instead.
+  bool nativeGrow() const {
+    return features_.grow;
+  }
+  Result<std::vector<uint8_t>> growId(const Deadline& dl);
+  // `prefix` and `store`: the grown communicator's, for its own later moves.
+  Result<std::shared_ptr<Communicator>> growWithId(int newSize, const std::vector<uint8_t>& id,
+                                                   const std::string& prefix,
+                                                   const c10::intrusive_ptr<c10d::Store>& store, const Deadline& dl);
 
   bool streamOrdered() const override {
     return true;

@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <algorithm>
+#include <cstring>
 
 #include "comm/bootstrap_id.h"
 #include "comm/group_moves.h"
@@ -169,18 +170,46 @@ Result<std::shared_ptr<Communicator>> NcclCommunicator::grow(int newSize, const 
   if (newSize <= opts_.size) {
     return Status(StatusCode::kInvalidArgument, "grow: the new size must exceed the current size");
   }
-  ++derived_;
   if (!features_.grow) {
+    ++derived_;
     return reinit(opts_.rank, newSize, store, joinKey, dl);  // the joiners init under joinKey too
   }
+  std::vector<uint8_t> id;
+  if (opts_.rank == 0) {
+    RC_ASSIGN_OR_RETURN(id, growId(dl));
+    RC_RETURN_IF_ERROR(storeSet(store, joinKey + "uid", hexEncode(id.data(), id.size())));
+  }
+  return growWithId(newSize, id, joinKey, store, dl);
+}
+
+Result<std::vector<uint8_t>> NcclCommunicator::growId(const Deadline& dl) {
   RC_RETURN_IF_ERROR(ready(dl));
   ncclUniqueId id{};
-  if (opts_.rank == 0) {
-    RC_RETURN_IF_ERROR(call("ncclCommGetUniqueId", [&](ncclComm_t c) { return api_->commGetUniqueId(c, &id); }, dl));
-    RC_RETURN_IF_ERROR(storeSet(store, joinKey + "uid", hexEncode(id.internal, sizeof(id.internal))));
+  RC_RETURN_IF_ERROR(call("ncclCommGetUniqueId", [&](ncclComm_t c) { return api_->commGetUniqueId(c, &id); }, dl));
+  return std::vector<uint8_t>(id.internal, id.internal + sizeof(id.internal));
+}
+
+Result<std::shared_ptr<Communicator>> NcclCommunicator::growWithId(int newSize, const std::vector<uint8_t>& idBytes,
+                                                                   const std::string& prefix,
+                                                                   const c10::intrusive_ptr<c10d::Store>& store,
+                                                                   const Deadline& dl) {
+  if (newSize <= opts_.size) {
+    return Status(StatusCode::kInvalidArgument, "grow: the new size must exceed the current size");
   }
+  if (!features_.grow) {
+    return Status(StatusCode::kNotSupported, "NCCL " + api_->versionString() + " has no ncclCommGrow");
+  }
+  ncclUniqueId id{};
+  if (opts_.rank == 0) {
+    if (idBytes.size() != sizeof(id.internal)) {
+      return Status(StatusCode::kInvalidArgument, "grow: an id of " + std::to_string(idBytes.size()) + " bytes");
+    }
+    std::memcpy(id.internal, idBytes.data(), sizeof(id.internal));
+  }
+  ++derived_;
+  RC_RETURN_IF_ERROR(ready(dl));
   std::shared_ptr<NcclCommunicator> child;
-  RC_ASSIGN_OR_RETURN(child, makeChild(opts_.rank, newSize, joinKey, store));
+  RC_ASSIGN_OR_RETURN(child, makeChild(opts_.rank, newSize, prefix, store));
   ncclConfig_t cfg = nonBlockingConfig();
   RC_RETURN_IF_ERROR(call(
       "ncclCommGrow",
