@@ -1,14 +1,16 @@
-"""PyTorch's own distributed test suite on resilient_tcp: every case of a named subset that passes
-on gloo passes on resilient_tcp. tests/conformance/torch_distributed_suite.py runs the suite's
-gloo cases on any backend, as upstream's test_distributed_spawn.py runs them (world size 3).
+"""PyTorch's own distributed test suite on resilient_tcp: every case that runs on a CPU-only
+machine and passes on gloo passes on resilient_tcp, but the two that differ by design
+(KNOWN_GAPS). tests/conformance/torch_distributed_suite.py runs the suite's gloo cases on any
+backend, as upstream's test_distributed_spawn.py runs them (world size 3).
 
-The subset (SUBSET) is the suite's CPU cases of the collectives, point-to-point, barrier, monitored
-barrier, sparse all_reduce and group forms, and the two that differ by design (KNOWN_GAPS).
-Each case spawns 3 processes that import torch, about 7 s here, so the whole suite
-would take hours on 2 cores. gloo's outcomes for this torch are recorded in
-tests/conformance/gloo-<torch version>.json: the test runs the subset on resilient_tcp only
-against that record, or on both where there is no record for this torch version
-(RC_TORCH_SUITE_GLOO=1 forces it and rewrites the record).
+SUBSET is every case of torch 2.14.1's distributed_test that runs here: 90 of its 285. The
+other 195 skip on this machine for gloo and for us alike, for reasons that do not depend on
+the backend's name (CUDA devices, NCCL- or MPI-only cases, world size, cases disabled
+upstream); docs/reconfigure.md has the survey that showed it. Each case spawns 3 processes
+that import torch, about 7 s here, so the subset takes about 11 minutes on 2 cores. gloo's
+outcomes for this torch are recorded in tests/conformance/gloo-<torch version>.json: the test
+runs the subset on resilient_tcp only against that record, or on both where there is no
+record for this torch version (RC_TORCH_SUITE_GLOO=1 forces it and rewrites the record).
 
 KNOWN_GAPS lists the cases that differ by design, each with its reason. The test fails if one
 of them starts passing, so the list can only shrink.
@@ -32,19 +34,32 @@ SUITE = ROOT / "tests" / "conformance" / "torch_distributed_suite.py"
 RECORD = ROOT / "tests" / "conformance" / f"gloo-{torch.__version__.split('+')[0]}.json"
 
 SUBSET = """
-test_all_reduce_sum test_all_reduce_max test_all_reduce_min test_all_reduce_product test_all_reduce_sum_async
-test_all_reduce_sum_complex test_all_reduce_complex_unsupported_ops test_all_reduce_coalesced_sum
-test_all_reduce_coalesced_max test_all_reduce_coalesced_group_sum test_all_reduce_coalesced_full_group_sum
-test_broadcast test_broadcast_group test_broadcast_full_group test_broadcast_object_list test_all_gather
-test_all_gather_complex test_all_gather_group test_all_gather_coalesced_simple test_all_gather_coalesced_complex
-test_all_gather_coalesced_with_empty test_all_gather_coalesced_full_group test_all_gather_object_default_pg
-test_reduce_sum test_reduce_max test_reduce_product test_reduce_sum_twice test_gather test_gather_checks
-test_gather_object test_scatter test_scatter_complex test_scatter_checks test_scatter_object_list test_send_recv
-test_send_recv_with_tag test_send_recv_any_source test_isend test_irecv test_batch_isend_irecv_gloo
-test_batch_isend_irecv_gloo_tags test_barrier test_barrier_group test_barrier_timeout_group
-test_barrier_timeout_full_group test_all_to_all test_all_to_all_single_equal_split
-test_all_to_all_single_unequal_split test_all_to_all_group test_sparse_all_reduce_sum test_monitored_barrier_gloo
-test_get_backend test_ddp_logging_data_cpu
+test_Backend_enum_class test_DistributedDataParallelCPU test_DistributedDataParallelCPU_grad_is_view
+test_DistributedDataParallel_requires_grad test_accumulate_gradients_no_sync
+test_accumulate_gradients_no_sync_allreduce_hook test_accumulate_gradients_no_sync_allreduce_with_then_hook
+test_accumulate_gradients_no_sync_grad_is_view test_all_gather test_all_gather_coalesced_complex
+test_all_gather_coalesced_full_group test_all_gather_coalesced_simple test_all_gather_coalesced_with_empty
+test_all_gather_complex test_all_gather_full_group test_all_gather_object_default_pg
+test_all_gather_object_subgroup test_all_reduce_coalesced_full_group_max test_all_reduce_coalesced_full_group_min
+test_all_reduce_coalesced_full_group_product test_all_reduce_coalesced_full_group_sum test_all_reduce_coalesced_max
+test_all_reduce_coalesced_max_complex_unsupported test_all_reduce_coalesced_min test_all_reduce_coalesced_product
+test_all_reduce_coalesced_sum test_all_reduce_complex_unsupported_ops test_all_reduce_full_group_max
+test_all_reduce_full_group_min test_all_reduce_full_group_product test_all_reduce_full_group_sum
+test_all_reduce_max test_all_reduce_min test_all_reduce_product test_all_reduce_sum test_all_reduce_sum_async
+test_all_reduce_sum_complex test_barrier test_barrier_full_group test_barrier_timeout_full_group
+test_batch_isend_irecv_gloo test_batch_isend_irecv_gloo_tags test_broadcast test_broadcast_full_group
+test_ddp_create_graph test_ddp_logging_data_cpu test_destroy_full_group test_destroy_group
+test_dump_DDP_relevant_env_vars test_gather test_gather_checks test_gather_full_group test_get_backend
+test_get_future test_get_rank test_get_rank_size_full_group test_get_rank_size_group
+test_grads_same_across_ranks_with_no_sync test_irecv test_isend test_isend_autograd_profiler
+test_isend_torch_profiler test_monitored_barrier_gloo test_monitored_barrier_gloo_rank_0_timeout
+test_monitored_barrier_gloo_subgroup test_reduce_full_group_max test_reduce_full_group_min
+test_reduce_full_group_product test_reduce_full_group_sum test_reduce_max test_reduce_min test_reduce_product
+test_reduce_sum test_reduce_sum_twice test_scatter test_scatter_checks test_scatter_complex test_scatter_full_group
+test_scatter_object_list test_send_recv test_send_recv_any_source test_send_recv_any_source_autograd_profiler
+test_send_recv_any_source_torch_profiler test_send_recv_autograd_profiler test_send_recv_torch_profiler
+test_send_recv_with_tag test_send_recv_with_tag_autograd_profiler test_send_recv_with_tag_torch_profiler
+test_sparse_all_reduce_sum test_static_graph_api_cpu
 """.split()
 
 # Cases that pass on gloo and not on resilient_tcp, each with why.
@@ -63,7 +78,7 @@ def _run(backend: str) -> dict[str, str]:
     if backend != "gloo":
         env["RC_SUITE_BACKEND"] = backend
     out = subprocess.run([sys.executable, str(SUITE), *SUBSET], env=env, capture_output=True, text=True,
-                         timeout=900, check=False)
+                         timeout=1500, check=False)
     assert os.path.exists(out_file), f"the suite wrote no results on {backend}:\n{out.stdout[-3000:]}\n" \
                                      f"{out.stderr[-3000:]}"
     with open(out_file) as f:
@@ -75,7 +90,7 @@ def _run(backend: str) -> dict[str, str]:
 
 
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="this torch has no gloo to compare with")
-@pytest.mark.timeout(1900)
+@pytest.mark.timeout(3200)
 def test_every_case_of_torchs_suite_that_passes_on_gloo_passes_on_resilient_tcp() -> None:
     if RECORD.exists() and os.environ.get("RC_TORCH_SUITE_GLOO") != "1":
         gloo = json.loads(RECORD.read_text())

@@ -207,6 +207,19 @@ void ResilientBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool w
       if (missing.empty()) {
         return st;  // everyone arrived; the release failed
       }
+      if (!waitAllRanks && limit.count() == 0) {
+        // gloo checks its time before it waits for each rank: with none at all, it names itself.
+        std::string done;
+        for (int p = 1; p < size; ++p) {
+          if ((*bytes)[p] != 0) {
+            done += (done.empty() ? "" : ", ") + std::to_string(p);
+          }
+        }
+        head = "Rank 0 timed out in monitoredBarrier after 0 ms.\n" +
+               (done.empty() ? std::string("No ranks successfully processed in monitoredBarrier.")
+                             : "Successfully processed ranks: " + done);
+        return Status(st.code(), head + "\n Original exception: \n" + st.message());
+      }
       if (!waitAllRanks) {
         missing.resize(1);  // gloo names the first rank it found missing
       }

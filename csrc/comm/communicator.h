@@ -1,4 +1,4 @@
-// The Communicator contract (DESIGN.md §3): one object per (group, device type).
+// The Communicator contract (docs/architecture.md): one object per (group, device type).
 //
 // Ownership and threads:
 //   - The creator owns the communicator (std::shared_ptr, since a shrink may share state).
@@ -132,7 +132,7 @@ class Communicator {
     return Status(StatusCode::kNotSupported, "receiving from any source is not supported by this transport; pass src");
   }
 
-  // Fault-tolerance moves (DESIGN.md §3). Transports that lack one return kNotSupported.
+  // Fault-tolerance moves (docs/architecture.md). Transports that lack one return kNotSupported.
   // Each returns the new communicator at once, still Initializing (waitReady() it; abort() it
   // to stop the build); the parent is left as it was unless said otherwise.
   // shrink: called by survivors only; they are renumbered contiguously in their old order.

@@ -1,5 +1,5 @@
-// HcclCommunicator: the Communicator contract over HCCL, for Ascend NPUs (DESIGN.md §3, HCCL
-// transport). Nothing here has run on Ascend hardware; docs/hccl.md says what to check first.
+// HcclCommunicator: the Communicator contract over HCCL, for Ascend NPUs (docs/architecture.md).
+// Nothing here has run on Ascend hardware; docs/hccl.md says what to check first.
 //
 // HCCL has neither a non-blocking init nor an abort, so:
 //

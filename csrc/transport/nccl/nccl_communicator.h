@@ -1,4 +1,4 @@
-// NcclCommunicator: the Communicator contract over NCCL (DESIGN.md §3, NCCL transport).
+// NcclCommunicator: the Communicator contract over NCCL (docs/architecture.md).
 //
 // Lifecycle: create() returns at once in Initializing. An init thread binds the device, exchanges
 // the unique id through the store (rank 0 makes it), calls ncclCommInitRankConfig on a

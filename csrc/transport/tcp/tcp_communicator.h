@@ -1,4 +1,4 @@
-// TcpCommunicator: the Communicator contract over TCP sockets (DESIGN.md §3, TCP transport).
+// TcpCommunicator: the Communicator contract over TCP sockets (docs/architecture.md).
 //
 // Lifecycle: create() returns at once in Initializing; the build publishes this rank's
 // listening address under an epoch-scoped store key, reads every rank's address (the address
