@@ -32,7 +32,8 @@ PIP=("$VPY" -m pip install --quiet --disable-pip-version-check)
 
 # Pin torch exactly: a bare `torch` lets pip pick any version (and a multi-GB download).
 if ! "$VPY" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$TORCH_VERSION' else 1)" 2>/dev/null; then
-  echo "[setup] installing torch==$TORCH_VERSION into $VENV (2.14.1: ~5.5 GB, a few minutes)"
+  if [ "$TORCH_VERSION" = 2.14.1 ]; then size=" (~5.5 GB with its CUDA libraries, a few minutes)"; else size=""; fi
+  echo "[setup] installing torch==$TORCH_VERSION into $VENV$size"
   "${PIP[@]}" "torch==$TORCH_VERSION"
 fi
 "${PIP[@]}" "setuptools>=64" wheel cmake ninja "pytest>=7" "pytest-timeout>=2" expecttest numpy matplotlib nvidia-nccl-cu12 "etcd3gw>=2.4" "prometheus_client>=0.17"

@@ -118,6 +118,36 @@ while True:
 
 
 @pytest.mark.timeout(60)
+def test_node_zero_of_a_multi_node_job_exits_on_sigterm_though_a_node_never_arrived(tmp_path: pathlib.Path) -> None:
+    """Node 0 of 2, node 1 never started: SIGTERM (scancel, a pod's deletion) ends its workers,
+    and the launcher itself within the shutdown grace, naming the node it left without."""
+    os.mkfifo(tmp_path / "ready0")
+    w = script(tmp_path, "w.py", f"""
+with open(os.path.join({str(tmp_path)!r}, "ready" + os.environ["RANK"]), "w") as f:
+    f.write("up\\n")
+while True:
+    signal.pause()
+""")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    proc = subprocess.Popen([*LAUNCHER, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint, w],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert (tmp_path / "ready0").read_text() == "up\n"  # its worker runs
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - signalled
+    finally:
+        proc.kill()  # a launcher that did not exit (the bug) must not outlive the test
+    assert proc.returncode == 128 + signal.SIGTERM, err  # its worker's status: killed by SIGTERM
+    assert took < 5.0 + 3.0, f"{took:.1f} s after SIGTERM"
+    assert "ended during shutdown: killed by SIGTERM" in err, err
+    assert "leaving without node(s) 1" in err, err
+
+
+@pytest.mark.timeout(60)
 def test_max_restarts_restarts_the_group_when_nobody_survives(tmp_path: pathlib.Path) -> None:
     w = script(tmp_path, "w.py", f"""
 gen = os.environ["TORCHELASTIC_RESTART_COUNT"]

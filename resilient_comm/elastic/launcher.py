@@ -19,7 +19,9 @@ What it does, and how it differs from torchrun:
   node, watches the next node's record, and forwards events to its workers.
 - **Never kills survivors** when a worker dies: they recover in-process.
 - **Forwards SIGINT/SIGTERM** to every worker (each runs in its own session, so a terminal's
-  Ctrl-C reaches a worker once, through the launcher); a second signal sends SIGKILL.
+  Ctrl-C reaches a worker once, through the launcher); a second signal sends SIGKILL. Then it
+  exits: node 0 of a multi-node job waits at most SHUTDOWN_GRACE_S (5 s) for the other nodes
+  to end (a second signal: not at all), even for a node that never arrived.
 - **Exits with the workers' status**: the status of the workers that were members of the
   last membership decision (evicted or dead ranks that the job recovered from do not count):
   0 when all of them exited 0, else the first failure's code (128+N for signal N). A plain
@@ -72,6 +74,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 from typing import IO
@@ -81,6 +84,10 @@ import torch.distributed as dist
 from resilient_comm.elastic.agent import ENV_AGENT, NodeAgent
 from resilient_comm.elastic.controller import ENV_NAMESPACE, ENV_SPARE, ENV_STORE, EXIT_EVICTED
 from resilient_comm.elastic.membership import ENV_TOKEN, Decision, Gone, Membership, connect, now
+
+# Node 0, shutting down on a signal: how long it waits for the other nodes to end before it
+# leaves (and takes the store they share with it).
+SHUTDOWN_GRACE_S = 5.0
 
 log = logging.getLogger("resilient_comm.launcher")
 
@@ -454,8 +461,23 @@ class Launcher:
             return
         if self.node_rank != 0:
             return
-        while any(not self.store.check([key + str(n)]) for n in agent.ring() - {0}):
-            self._serve()  # the ring is read again each turn: a node may announce itself meanwhile
+        shutdown_at: float | None = None
+        while True:
+            # the ring is read again each turn: a node may announce itself meanwhile
+            missing = sorted(n for n in agent.ring() - {0} if not self.store.check([key + str(n)]))
+            if not missing:
+                return
+            if self._shutting_down:
+                # A signal (scancel, a pod's deletion, Ctrl-C) ends this node even when another
+                # never arrived or never ends: it waits a short grace for them, then leaves (a
+                # second signal: at once). Their store goes with it.
+                shutdown_at = time.monotonic() if shutdown_at is None else shutdown_at
+                waited = time.monotonic() - shutdown_at
+                if waited >= SHUTDOWN_GRACE_S or self._signals > 1:
+                    log.warning("shutting down: leaving without node(s) %s, which had not ended after %.1f s; "
+                                "the store this node hosts goes with it", ", ".join(map(str, missing)), waited)
+                    return
+            self._serve()
 
     def forward(self, sig: int) -> None:
         """Pass a signal to every live worker; the second signal is SIGKILL."""
