@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include <algorithm>
+#include <cstdint>
 
 #include "backend/tensor_args.h"
 #include "common/check.h"
@@ -196,43 +197,35 @@ void ResilientBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool w
   const int rank = rank_;
   const int size = size_;
   auto verdict = [rank, size, bytes, waitAllRanks, limit](const Status& st) {
-    std::string head;
-    if (rank == 0) {
-      std::vector<int> missing;
-      for (int p = 1; p < size; ++p) {
-        if ((*bytes)[p] == 0) {
-          missing.push_back(p);
-        }
-      }
-      if (missing.empty()) {
-        return st;  // everyone arrived; the release failed
-      }
-      if (!waitAllRanks && limit.count() == 0) {
-        // gloo checks its time before it waits for each rank: with none at all, it names itself.
-        std::string done;
-        for (int p = 1; p < size; ++p) {
-          if ((*bytes)[p] != 0) {
-            done += (done.empty() ? "" : ", ") + std::to_string(p);
-          }
-        }
-        head = "Rank 0 timed out in monitoredBarrier after 0 ms.\n" +
-               (done.empty() ? std::string("No ranks successfully processed in monitoredBarrier.")
-                             : "Successfully processed ranks: " + done);
-        return Status(st.code(), head + "\n Original exception: \n" + st.message());
-      }
-      if (!waitAllRanks) {
-        missing.resize(1);  // gloo names the first rank it found missing
-      }
+    // The ranks that did (arrived) or did not reach rank 0, as "1, 3".
+    auto ranks = [&](bool arrived, size_t most) {
       std::string list;
-      for (int p : missing) {
-        list += (list.empty() ? "" : ", ") + std::to_string(p);
+      size_t n = 0;
+      for (int p = 1; p < size && n < most; ++p) {
+        if (((*bytes)[p] != 0) == arrived) {
+          list += (n++ == 0 ? "" : ", ") + std::to_string(p);
+        }
       }
-      head = "[Rank 0]: " + std::string(missing.size() > 1 || waitAllRanks ? "Ranks " : "Rank ") + list +
-             " failed to pass monitoredBarrier in " + std::to_string(limit.count()) + " ms";
-    } else {
+      return list;
+    };
+    std::string head;
+    if (rank != 0) {
       head = "Rank " + std::to_string(rank) +
              " successfully reached monitoredBarrier, but received errors while waiting for send/recv from rank 0. "
              "Please check rank 0 logs for faulty rank.";
+    } else if (ranks(false, SIZE_MAX).empty()) {
+      return st;  // everyone arrived; the release failed
+    } else if (!waitAllRanks && limit.count() == 0) {
+      // gloo checks its time before it waits for each rank: with none at all, it names itself.
+      const std::string done = ranks(true, SIZE_MAX);
+      head = "Rank 0 timed out in monitoredBarrier after 0 ms.\n" +
+             (done.empty() ? std::string("No ranks successfully processed in monitoredBarrier.")
+                           : "Successfully processed ranks: " + done);
+    } else {
+      // gloo names the first rank it found missing, or with waitAllRanks all of them.
+      const std::string missing = ranks(false, waitAllRanks ? SIZE_MAX : 1);
+      head = "[Rank 0]: " + std::string(waitAllRanks ? "Ranks " : "Rank ") + missing +
+             " failed to pass monitoredBarrier in " + std::to_string(limit.count()) + " ms";
     }
     return Status(st.code(), head + "\n Original exception: \n" + st.message());
   };
