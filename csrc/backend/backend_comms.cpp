@@ -56,17 +56,19 @@ std::shared_ptr<Communicator> ResilientBackend::deviceCommFor(const at::Device& 
     reconfigured = !configTag_.empty();
   }
   // After torch's reconfigure the members share handles, not necessarily a store: they agree
-  // on NCCL's bootstrap id over the host communicator (outside the lock: it queues a host op).
+  // on NCCL's bootstrap id (HCCL's root info) over the host communicator (outside the lock: it
+  // queues a host op).
   DeviceBootstrap how;
-  if (cuda && reconfigured) {
-    how = bootstrapOverHost(dev, site);
+  if (reconfigured) {
+    how = bootstrapOverHost(dev, site, npu);
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (auto d = existing()) {
     return d;  // another thread made it meanwhile
   }
   Result<std::shared_ptr<Communicator>> made =
-      npu ? makeHccl(dev) : (cuda && reconfigured ? makeNcclAfterReconfigure(dev, std::move(how)) : makeNccl(dev));
+      npu ? makeHccl(dev, std::move(how.id))
+          : (reconfigured ? makeNcclAfterReconfigure(dev, std::move(how)) : makeNccl(dev));
   if (growFrom_) {  // not grown (HCCL, or rank 0 built afresh): done with it
     abortComm(growFrom_, "superseded by a device communicator made afresh");
   }
@@ -80,13 +82,24 @@ std::shared_ptr<Communicator> ResilientBackend::deviceCommFor(const at::Device& 
   return device_;
 }
 
-ResilientBackend::DeviceBootstrap ResilientBackend::bootstrapOverHost(const at::Device& dev, const OpSite& site) {
+ResilientBackend::DeviceBootstrap ResilientBackend::bootstrapOverHost(const at::Device& dev, const OpSite& site,
+                                                                     bool hccl) {
   // Rank 0's verdict (1: ok; then 1: grow, 0: afresh) and the id, broadcast from rank 0, queued
   // like any host op: every member takes it at the same point of its program (its first
-  // device op). On a grow rank 0 is an old member: the id is its communicator's grow id.
-  auto buf = std::make_shared<std::vector<uint8_t>>(2 + sizeof(nccl::ncclUniqueId), 0);
+  // device op). On a grow rank 0 is an old member: the id is its communicator's grow id. HCCL
+  // has no grow: its root info makes a fresh world.
+  const char* library = hccl ? "HCCL" : "NCCL";
+  const size_t idBytes = hccl ? hccl::kHcclRootInfoBytes : sizeof(nccl::ncclUniqueId);
+  auto buf = std::make_shared<std::vector<uint8_t>>(2 + idBytes, 0);
   std::string why;
-  if (rank_ == 0) {
+  if (rank_ == 0 && hccl) {
+    Result<std::vector<uint8_t>> root = hccl::makeRootInfo();
+    if (root.isOk() && root.value().size() == idBytes) {
+      std::copy(root.value().begin(), root.value().end(), buf->begin() + 2);
+      (*buf)[0] = 1;
+    }
+    why = root.status().message();
+  } else if (rank_ == 0) {
     std::shared_ptr<nccl::NcclCommunicator> from;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -121,7 +134,7 @@ ResilientBackend::DeviceBootstrap ResilientBackend::bootstrapOverHost(const at::
                       });
   work->wait(kNoTimeout);  // raises the host op's typed error
   if ((*buf)[0] != 1) {
-    C10_THROW_ERROR(ValueError, site.prefix() + "rank 0 could not make the NCCL bootstrap id" +
+    C10_THROW_ERROR(ValueError, site.prefix() + "rank 0 could not make the " + library + " bootstrap id" +
                                     (why.empty() ? std::string() : ": " + why));
   }
   return DeviceBootstrap{(*buf)[1] == 1, std::vector<uint8_t>(buf->begin() + 2, buf->end())};
@@ -180,10 +193,11 @@ Result<std::shared_ptr<Communicator>> ResilientBackend::makeNccl(const at::Devic
   return std::shared_ptr<Communicator>(comm);
 }
 
-Result<std::shared_ptr<Communicator>> ResilientBackend::makeHccl(const at::Device& dev) {
+Result<std::shared_ptr<Communicator>> ResilientBackend::makeHccl(const at::Device& dev, std::vector<uint8_t> rootInfo) {
   // After a reconfigure its bootstrap keys are the configuration's (configTag_), as NCCL's.
   const std::string name = configTag_.empty() ? opts_.groupName : opts_.groupName + "/" + configTag_.substr(0, configTag_.size() - 1);
-  return hccl::createHcclCommunicator(store_, name, rank_, size_, Deadline::after(timeout_), dev.index());
+  return hccl::createHcclCommunicator(store_, name, rank_, size_, Deadline::after(timeout_), dev.index(),
+                                      std::move(rootInfo));
 }
 
 c10::intrusive_ptr<ResilientBackend> ResilientBackend::join(const c10::intrusive_ptr<c10d::Store>& store,

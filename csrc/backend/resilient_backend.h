@@ -273,9 +273,10 @@ class ResilientBackend : public c10d::Backend {
     bool grow = false;
     std::vector<uint8_t> id;
   };
-  DeviceBootstrap bootstrapOverHost(const at::Device& dev, const OpSite& site);
+  DeviceBootstrap bootstrapOverHost(const at::Device& dev, const OpSite& site, bool hccl);
   Result<std::shared_ptr<Communicator>> makeNcclAfterReconfigure(const at::Device& dev, DeviceBootstrap how);
-  Result<std::shared_ptr<Communicator>> makeHccl(const at::Device& dev);
+  // `rootInfo`: handed over after a reconfigure (empty: through the store).
+  Result<std::shared_ptr<Communicator>> makeHccl(const at::Device& dev, std::vector<uint8_t> rootInfo);
   void workerLoop();
 
   // A child backend named `name` over `r`, or the error of the move as an exception.

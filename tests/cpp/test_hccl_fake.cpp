@@ -285,6 +285,34 @@ TEST(hccl_reconfigure_shrinks_a_failed_world_or_builds_a_fresh_one) {
   CHECK(r.api->misuse == 0 && fresh.api->misuse == 0);
 }
 
+// After torch's reconfigure the members may share no store: rank 0's root info reaches them
+// over the host communicator (backend_comms.cpp) and the communicator inits from it alone.
+TEST(hccl_a_handed_over_root_info_inits_without_the_store) {
+  auto api = std::make_shared<FakeHccl>(FakeHcclScript{});
+  Result<std::vector<uint8_t>> root = makeRootInfo(*api);
+  CHECK(root.isOk()) << root.status().toString();
+  CHECK(root.value().size() == sizeof(HcclRootInfo));
+  Result<std::vector<uint8_t>> other = makeRootInfo(*api);
+  CHECK(other.isOk() && other.value() != root.value()) << "every root info differs";
+
+  HcclRig r;
+  r.api = api;
+  HcclOptions o = options(r, 2, 1);
+  o.rootInfo = root.value();
+  auto made = HcclCommunicator::create(api, o, in(2000));
+  CHECK(made.isOk()) << made.status().toString();
+  CHECK(made.value()->waitReady(in(2000)).isOk());
+  CHECK(r.store->getNumKeys() == 0) << "no store key was read or written";
+  float x[1] = {1};
+  CHECK(made.value()->allReduce(x, 1, DataType::kFloat32, RedOp::kSum, in(1000)).isOk());
+
+  o.rootInfo.resize(17);
+  auto bad = HcclCommunicator::create(api, o, in(2000));
+  CHECK(bad.status().code() == StatusCode::kInvalidArgument);
+  CHECK(has(bad.status().message(), "a root info of 17 bytes; an HcclRootInfo has 4108")) << bad.status().message();
+  CHECK(api->misuse == 0);
+}
+
 TEST(hccl_split_from_the_world) {
   HcclRig r = makeRig(FakeHcclScript{}, 1);
   CHECK(r.comm->waitReady(in(2000)).isOk());

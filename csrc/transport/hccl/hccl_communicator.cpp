@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <thread>
 #include <utility>
 
@@ -108,6 +109,16 @@ void destroyComm(HcclApi& api, HcclComm comm, bool suspend, const std::function<
   api.commDestroy(comm);
 }
 
+// Every rank inits with `root` (blocking).
+Result<BuiltComm> initWithRootInfo(const std::shared_ptr<HcclApi>& api, const HcclRootInfo& root, int rank, int size) {
+  HcclCommConfig cfg = commConfig();
+  HcclComm comm = nullptr;
+  RC_RETURN_IF_ERROR(mapError(*api, "HcclCommInitRootInfoConfig",
+                              api->commInitRootInfoConfig(static_cast<uint32_t>(size), &root,
+                                                          static_cast<uint32_t>(rank), &cfg, &comm)));
+  return BuiltComm{comm, fnv1a(kFnvBasis, root.internal, sizeof(root.internal))};
+}
+
 // Rank 0 makes the root info and publishes it under `key`; every rank inits with it (blocking).
 Result<BuiltComm> initWorld(const std::shared_ptr<HcclApi>& api, const StorePtr& store, const std::string& key, int rank,
                         int size, const Deadline& dl, AbortToken& abort) {
@@ -116,12 +127,7 @@ Result<BuiltComm> initWorld(const std::shared_ptr<HcclApi>& api, const StorePtr&
       store, key, rank == 0,
       [&](void* out) { return mapError(*api, "HcclGetRootInfo", api->getRootInfo(static_cast<HcclRootInfo*>(out))); },
       &root, sizeof(root), dl, abort));
-  HcclCommConfig cfg = commConfig();
-  HcclComm comm = nullptr;
-  RC_RETURN_IF_ERROR(mapError(*api, "HcclCommInitRootInfoConfig",
-                              api->commInitRootInfoConfig(static_cast<uint32_t>(size), &root,
-                                                          static_cast<uint32_t>(rank), &cfg, &comm)));
-  return BuiltComm{comm, fnv1a(kFnvBasis, root.internal, sizeof(root.internal))};
+  return initWithRootInfo(api, root, rank, size);
 }
 
 }  // namespace
@@ -185,8 +191,22 @@ Result<std::shared_ptr<HcclCommunicator>> HcclCommunicator::make(std::shared_ptr
 
 Result<std::shared_ptr<HcclCommunicator>> HcclCommunicator::create(std::shared_ptr<HcclApi> api, HcclOptions opts,
                                                                    const Deadline& initDeadline) {
+  if (!opts.rootInfo.empty() && opts.rootInfo.size() != sizeof(HcclRootInfo)) {
+    return Status(StatusCode::kInvalidArgument, "a root info of " + std::to_string(opts.rootInfo.size()) +
+                                                    " bytes; an HcclRootInfo has " +
+                                                    std::to_string(sizeof(HcclRootInfo)));
+  }
   std::shared_ptr<HcclCommunicator> c;
   RC_ASSIGN_OR_RETURN(c, make(std::move(api), std::move(opts), initDeadline));
+  if (!c->opts_.rootInfo.empty()) {  // handed over: no store
+    auto root = std::make_shared<HcclRootInfo>();
+    std::memcpy(root->internal, c->opts_.rootInfo.data(), sizeof(root->internal));
+    c->opts_.rootInfo.clear();  // once: a later re-init makes its own
+    c->startBuild([api = c->api_, root, rank = c->opts_.rank, size = c->opts_.size](const Deadline&) {
+      return initWithRootInfo(api, *root, rank, size);
+    });
+    return c;
+  }
   c->startBuild([api = c->api_, store = c->opts_.store, prefix = c->opts_.prefix, rank = c->opts_.rank,
                  size = c->opts_.size, abort = c->abort_](const Deadline& dl) -> Result<BuiltComm> {
     int64_t incarnation = 0;
@@ -209,6 +229,12 @@ HcclCommunicator::~HcclCommunicator() {
     own_->released = true;  // an init still running: its thread destroys what it returns
     abort_->abort("communicator of group '" + opts_.name + "' destroyed during its init");
   }
+}
+
+Result<std::vector<uint8_t>> makeRootInfo(HcclApi& api) {
+  std::vector<uint8_t> out(sizeof(HcclRootInfo));
+  RC_RETURN_IF_ERROR(mapError(api, "HcclGetRootInfo", api.getRootInfo(reinterpret_cast<HcclRootInfo*>(out.data()))));
+  return out;
 }
 
 HcclCommunicator::Plan HcclCommunicator::rootInfoPlan(const std::string& key, int rank, int size,

@@ -65,6 +65,10 @@ struct HcclOptions {
   // called on the build thread, on reaper threads before a destroy, and before every op. Must
   // not throw. Empty: nothing to bind (tests).
   std::function<void()> bindDevice;
+  // The root info, handed over by the caller (sizeof(HcclRootInfo) bytes, every member the same):
+  // create() inits with it and uses no store. Empty: rank 0 makes one and publishes it in the
+  // store. After torch's reconfigure the backend broadcasts it over the host communicator.
+  std::vector<uint8_t> rootInfo;
 };
 
 struct CommHandle;  // one HcclComm, shared with the threads that may outlive its communicator
@@ -166,10 +170,17 @@ class HcclCommunicator : public CommLifecycle {
   int derived_ = 0;
 };
 
+// A fresh root info from `api` (HcclGetRootInfo), as the bytes HcclOptions::rootInfo takes.
+Result<std::vector<uint8_t>> makeRootInfo(HcclApi& api);
+
 // The communicator resilient_hccl uses for the NPU tensors of device `deviceIndex`: loads
 // libhccl, takes NPU streams through c10 (torch_npu must have been imported: it registers the
 // "npu" device), and starts the init. The store key prefix is "resilient_comm_hccl/<name>/".
+// `rootInfo`: as HcclOptions::rootInfo.
 Result<std::shared_ptr<Communicator>> createHcclCommunicator(const StorePtr& store, const std::string& name, int rank,
-                                                             int size, const Deadline& initDeadline, int deviceIndex);
+                                                             int size, const Deadline& initDeadline, int deviceIndex,
+                                                             std::vector<uint8_t> rootInfo = {});
+// makeRootInfo through the libhccl createHcclCommunicator loads.
+Result<std::vector<uint8_t>> makeRootInfo();
 
 }  // namespace resilient_comm::hccl

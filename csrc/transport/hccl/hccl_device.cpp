@@ -11,7 +11,8 @@
 namespace resilient_comm::hccl {
 
 Result<std::shared_ptr<Communicator>> createHcclCommunicator(const StorePtr& store, const std::string& name, int rank,
-                                                             int size, const Deadline& initDeadline, int deviceIndex) {
+                                                             int size, const Deadline& initDeadline, int deviceIndex,
+                                                             std::vector<uint8_t> rootInfo) {
   std::shared_ptr<HcclApi> api;
   RC_ASSIGN_OR_RETURN(api, loadHccl());
   c10::Device device(c10::DeviceType::CPU);
@@ -28,6 +29,7 @@ Result<std::shared_ptr<Communicator>> createHcclCommunicator(const StorePtr& sto
   o.prefix = "resilient_comm_hccl/" + name + "/";
   o.rank = rank;
   o.size = size;
+  o.rootInfo = std::move(rootInfo);
   o.makeStreams = [deviceIndex]() -> Result<std::shared_ptr<StreamOps>> {
     std::shared_ptr<StreamOps> streams;
     RC_ASSIGN_OR_RETURN(streams, device::makeDeviceStreamOps("npu", deviceIndex));
@@ -49,6 +51,12 @@ Result<std::shared_ptr<Communicator>> createHcclCommunicator(const StorePtr& sto
   std::shared_ptr<HcclCommunicator> comm;
   RC_ASSIGN_OR_RETURN(comm, HcclCommunicator::create(std::move(api), std::move(o), initDeadline));
   return std::shared_ptr<Communicator>(std::move(comm));
+}
+
+Result<std::vector<uint8_t>> makeRootInfo() {
+  std::shared_ptr<HcclApi> api;
+  RC_ASSIGN_OR_RETURN(api, loadHccl());
+  return makeRootInfo(*api);
 }
 
 }  // namespace resilient_comm::hccl
