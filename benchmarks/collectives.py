@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Collectives benchmark, resilient_tcp vs gloo: a thin wrapper around
-resilient_comm.bench.collectives (same as `resilient-comm bench collectives`).
+resilient_comm.tools.bench.collectives (same as `resilient-comm bench collectives`).
 
     python benchmarks/collectives.py [--quick] [--world-sizes 2,4] [--max-bytes 64M] [--json PATH]
 
@@ -9,7 +9,7 @@ See benchmarks/README.md for the methodology and the latest results.
 
 import sys
 
-from resilient_comm.bench.collectives import main
+from resilient_comm.tools.bench.collectives import main
 
 if __name__ == "__main__":  # required: workers are started with the spawn method
     sys.exit(main(sys.argv[1:]))

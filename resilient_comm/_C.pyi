@@ -1,4 +1,3 @@
-# ruff: noqa: N999  (the extension is named _C, as torch._C)
 # Type stub for the compiled extension (csrc/python/bindings.cpp): its names are typed Any.
 from typing import Any
 

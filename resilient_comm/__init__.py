@@ -28,7 +28,6 @@ import torch.distributed as dist
 from resilient_comm import _C
 from resilient_comm.api import abort, errored, shm_peers, tainted
 from resilient_comm.config import knobs
-from resilient_comm.doctor import nccl_wheel_candidates
 from resilient_comm.errors import (
     CommAbortedError,
     CommError,
@@ -37,6 +36,7 @@ from resilient_comm.errors import (
     PeerFailureError,
 )
 from resilient_comm.groups import grow, join, shrink, split
+from resilient_comm.nccl_lib import nccl_wheel_candidates
 
 __all__ = [
     "BACKENDS",
@@ -62,8 +62,8 @@ _NPU = importlib.util.find_spec("torch_npu") is not None
 BACKENDS = ("resilient_tcp", "resilient_nccl") + (("resilient_hccl",) if _NPU else ())
 
 
-class _Creation:
-    """What an in-process restart (`resilient_comm.elastic.inprocess`) asks of every backend that
+class BackendCreation:
+    """What an in-process restart (`resilient_comm.elastic.worker.inprocess`) asks of every backend that
     ``init_process_group``/``new_group`` create: a store key prefix per incarnation (the script
     rendezvous afresh on the same store each time it is re-entered) and hooks that see each new
     backend at once (its bootstrap runs in the background, so a hook can abort it while it waits
@@ -76,8 +76,8 @@ class _Creation:
 def _creator(backend_name: str):
     def create(dist_opts, _backend_opts):
         store = dist_opts.store
-        if _Creation.prefix:
-            store = dist.PrefixStore(_Creation.prefix, store)
+        if BackendCreation.prefix:
+            store = dist.PrefixStore(BackendCreation.prefix, store)
         backend = _C.create_backend(
             backend_name,
             store,
@@ -89,7 +89,7 @@ def _creator(backend_name: str):
             # until the first dist._reconfigure (docs/reconfigure.md).
             bool(getattr(dist_opts, "enable_reconfigure", False)),
         )
-        for hook in list(_Creation.hooks):
+        for hook in list(BackendCreation.hooks):
             hook(backend)
         return backend
 

@@ -14,26 +14,31 @@ from resilient_comm import _C
 from resilient_comm.errors import CommError
 
 
-def _group(group: object, caller: str) -> dist.ProcessGroup:
+def checked_group(group: object, caller: str) -> dist.ProcessGroup:
     """`group`, or the default group for None; a TypeError naming `caller` for anything else."""
     if group is None:
         return dist.distributed_c10d._get_default_group()
     if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"{caller}: group must be a torch.distributed.ProcessGroup or None, "
-                        f"got {type(group).__name__} {_short(group)}")
+        raise TypeError(
+            f"{caller}: group must be a torch.distributed.ProcessGroup or None, "
+            f"got {type(group).__name__} {short_repr(group)}"
+        )
     return group
 
 
-def _short(value: object) -> str:
+def short_repr(value: object) -> str:
+    """`value`'s repr, cut to 60 characters (for error messages)."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _backend(group: object, caller: str = "resilient_comm") -> _C.ResilientBackend:
-    pg = _group(group, caller)
+def resilient_backend(group: object, caller: str = "resilient_comm") -> _C.ResilientBackend:
+    """The resilient_comm backend of `group` (default: the world); a ValueError naming `caller`
+    if it has none (shrink, split and the elastic controller use it too)."""
+    pg = checked_group(group, caller)
     backend = pg._get_backend(torch.device("cpu"))
     if not isinstance(backend, _C.ResilientBackend):
-        raise ValueError(  # noqa: TRY004  (the documented contract: ValueError for a bad group)
+        raise ValueError(
             f"group {pg.group_name!r} does not use a resilient_comm backend "
             f"(its CPU backend is {type(backend).__name__})"
         )
@@ -45,9 +50,9 @@ def abort(group: dist.ProcessGroup | None = None, reason: str = "resilient_comm.
 
     Returns immediately; safe from any thread, any number of times. Recovery builds a new group.
     """
-    backend = _backend(group, "abort")
+    backend = resilient_backend(group, "abort")
     if not isinstance(reason, str):
-        raise TypeError(f"abort: reason must be a str, got {type(reason).__name__} {_short(reason)}")
+        raise TypeError(f"abort: reason must be a str, got {type(reason).__name__} {short_repr(reason)}")
     backend.abort_with_reason(reason)
 
 
@@ -57,7 +62,7 @@ def errored(group: dist.ProcessGroup | None = None) -> CommError | None:
     The error is the exception an op on the group raises (CommTimeoutError, PeerFailureError,
     ...), returned, not raised; polling it is cheap (no communication).
     """
-    return _backend(group, "errored").comm_error()
+    return resilient_backend(group, "errored").comm_error()
 
 
 def shm_peers(group: dist.ProcessGroup | None = None) -> list[int]:
@@ -65,7 +70,7 @@ def shm_peers(group: dist.ProcessGroup | None = None) -> list[int]:
     shared memory rather than the socket: same-host peers, unless RESILIENT_COMM_SHM=0. Empty
     until the group's first op has built its connections.
     """
-    return list(_backend(group, "shm_peers").shm_peers())
+    return list(resilient_backend(group, "shm_peers").shm_peers())
 
 
 def tainted() -> str | None:

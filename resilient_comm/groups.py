@@ -26,18 +26,17 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from resilient_comm import _C
-from resilient_comm.api import _backend, _group, _short
+from resilient_comm.api import checked_group, resilient_backend, short_repr
 
 
 def _check_exclude(exclude_ranks: list[int], pg: dist.ProcessGroup) -> list[int]:
     size, me = pg.size(), pg.rank()
     if not isinstance(exclude_ranks, (list, tuple)):
-        raise ValueError(  # noqa: TRY004  (bad exclude lists are ValueErrors, like torch's)
-            f"exclude_ranks must be a list of group ranks, got {type(exclude_ranks).__name__}")
+        raise ValueError(f"exclude_ranks must be a list of group ranks, got {type(exclude_ranks).__name__}")
     seen: set[int] = set()
     for r in exclude_ranks:
         if not isinstance(r, int) or isinstance(r, bool):
-            raise ValueError(f"exclude_ranks holds {r!r}, which is not a rank (an int)")  # noqa: TRY004
+            raise ValueError(f"exclude_ranks holds {r!r}, which is not a rank (an int)")
         if not 0 <= r < size:
             raise ValueError(f"rank {r} in exclude_ranks is out of range for a group of {size}")
         if r in seen:
@@ -53,9 +52,9 @@ def _check_exclude(exclude_ranks: list[int], pg: dist.ProcessGroup) -> list[int]
 def shrink(exclude_ranks: list[int], group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
     """The group without `exclude_ranks` (group ranks). Call on every survivor, never on the
     excluded. If the group has failed, its pending ops are aborted first."""
-    pg = _group(group, "shrink")
+    pg = checked_group(group, "shrink")
     excluded = _check_exclude(exclude_ranks, pg)
-    parent = _backend(pg, "shrink")
+    parent = resilient_backend(pg, "shrink")
     flags = c10d.SHRINK_ABORT if parent.comm_error() is not None else c10d.SHRINK_DEFAULT
     # Not torch.distributed.shrink_group: it clones the store, and a new TCPStore connection can
     # stall 5 s in c10d's reverse-DNS lookup for a log line (pytorch/pytorch#159007). The new
@@ -68,17 +67,25 @@ def shrink(exclude_ranks: list[int], group: dist.ProcessGroup | None = None) -> 
     store = _store_of(pg)
     if not is_default:
         dist.destroy_process_group(pg)
-    return _adopt(backend, store=store, name=name, global_ranks=survivors, make_default=is_default,
-                  replaces=pg if is_default else None)
+    return adopt(
+        backend,
+        store=store,
+        name=name,
+        global_ranks=survivors,
+        make_default=is_default,
+        replaces=pg if is_default else None,
+    )
 
 
-def split(color: int, key: int | None = None, group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
+def split(
+    color: int, key: int | None = None, group: dist.ProcessGroup | None = None
+) -> dist.ProcessGroup | None:
     """Split `group` by color (every member calls it); None where color < 0."""
-    pg = _group(group, "split")
+    pg = checked_group(group, "split")
     key = pg.rank() if key is None else key
     _check_int32("color", color)
     _check_int32("key", key)
-    parent = _backend(pg, "split")
+    parent = resilient_backend(pg, "split")
     members = _gather_colors(pg, color, key)
     backend = parent.split_by_color(color, key)
     index = _splits_so_far(pg)
@@ -86,7 +93,7 @@ def split(color: int, key: int | None = None, group: dist.ProcessGroup | None = 
         return None
     member_ranks = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(members) if c == color)]
     global_of = c10d.get_process_group_ranks(pg)
-    return _adopt(
+    return adopt(
         backend,
         store=_store_of(pg),
         name=f"{c10d._get_process_group_name(pg)}:split{index}:{color}",
@@ -98,7 +105,7 @@ def split(color: int, key: int | None = None, group: dist.ProcessGroup | None = 
 def _check_int32(name: str, value: object) -> None:
     """split's color and key: the communicator holds them as 32-bit ints."""
     if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"split: {name} must be an int, got {type(value).__name__} {_short(value)}")
+        raise TypeError(f"split: {name} must be an int, got {type(value).__name__} {short_repr(value)}")
     if not -(1 << 31) <= value < 1 << 31:
         raise ValueError(f"split: {name} {value} does not fit in 32 bits")
 
@@ -130,9 +137,15 @@ def grow(new_size: int, store: dist.Store, join_key: str) -> dist.ProcessGroup:
     pg = c10d._get_default_group()
     if new_size <= pg.size():
         raise ValueError(f"grow: new_size {new_size} must exceed the current size {pg.size()}")
-    backend = _backend(pg, "grow").grow(new_size, store, join_key)
-    new_pg = _adopt(backend, store=store, name=f"grown:{join_key}", global_ranks=list(range(new_size)),
-                    make_default=True, replaces=pg)
+    backend = resilient_backend(pg, "grow").grow(new_size, store, join_key)
+    new_pg = adopt(
+        backend,
+        store=store,
+        name=f"grown:{join_key}",
+        global_ranks=list(range(new_size)),
+        make_default=True,
+        replaces=pg,
+    )
     return new_pg
 
 
@@ -152,13 +165,15 @@ def join(
     (default: the current CUDA device)."""
     if device is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
-    backend = _C.join_backend(store, join_key, rank, new_size, existing_size, timeout.total_seconds(),
-                              f"grown:{join_key}", device)
-    return _adopt(backend, store=store, name=f"grown:{join_key}", global_ranks=list(range(new_size)),
-                  make_default=True)
+    backend = _C.join_backend(
+        store, join_key, rank, new_size, existing_size, timeout.total_seconds(), f"grown:{join_key}", device
+    )
+    return adopt(
+        backend, store=store, name=f"grown:{join_key}", global_ranks=list(range(new_size)), make_default=True
+    )
 
 
-def _adopt(
+def adopt(
     backend: _C.ResilientBackend,
     *,
     store: dist.Store,

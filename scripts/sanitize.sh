@@ -5,7 +5,7 @@
 #   bash scripts/sanitize.sh thread               # one set
 # Needs the venv of scripts/setup.sh. A finding fails the run (-fno-sanitize-recover=all); the
 # exit status is the first failing set's. Build trees go to build-sanitize/, out of the way of
-# tests/test_cpp.py (which runs the newest build/*/rc_cpp_tests).
+# tests/unit/test_cpp.py (which runs the newest build/*/rc_cpp_tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VPY=.venv/bin/python

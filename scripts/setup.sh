@@ -36,7 +36,8 @@ if ! "$VPY" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0]
   echo "[setup] installing torch==$TORCH_VERSION into $VENV$size"
   "${PIP[@]}" "torch==$TORCH_VERSION"
 fi
-"${PIP[@]}" "setuptools>=64" wheel cmake ninja "pytest>=7" "pytest-timeout>=2" expecttest numpy matplotlib nvidia-nccl-cu12 "etcd3gw>=2.4" "prometheus_client>=0.17"
+# ruff and mypy pinned: CI fails on their findings, so a new release must not move the bar.
+"${PIP[@]}" "setuptools>=64" wheel cmake ninja "pytest>=7" "pytest-timeout>=2" expecttest numpy matplotlib nvidia-nccl-cu12 "etcd3gw>=2.4" "prometheus_client>=0.17" ruff==0.17.6 mypy==2.4.1
 
 # etcd (the multi-node membership) for the tests that run nodes in network namespaces; as
 # root on Debian/Ubuntu it comes from the etcd-server package. Without it those tests skip.

@@ -1,4 +1,7 @@
-"""Tests import the installed (editable) package; see scripts/setup.sh."""
+"""Tests import the installed (editable) package; see scripts/setup.sh. They are arranged by
+part: unit (no worker processes), transport (the data path), backend (c10d integration,
+faults, reconfigure, torch's own suite), elastic (the controller and resilient-run) and system
+(namespaces, etcd, the wheel, the CLI; marked `system`)."""
 
 import socket
 import subprocess
@@ -46,3 +49,11 @@ def etcd_proc(tmp_path: Any) -> Any:
 def etcd(etcd_proc: tuple[str, Any]) -> str:
     """A one-member etcd on loopback; its endpoint."""
     return etcd_proc[0]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests under tests/system/ (nodes in network namespaces, a real etcd, the built wheel, the
+    command line end to end) carry the `system` marker: `pytest -m "not system"` leaves them out."""
+    for item in items:
+        if "system" in item.path.relative_to(config.rootpath).parts[:2]:
+            item.add_marker(pytest.mark.system)

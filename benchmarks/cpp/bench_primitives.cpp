@@ -7,7 +7,7 @@
 // the script of scenarios.h, write their measurements to the store and exit (one SIGKILLs
 // itself). The parent waits for them with a deadline, reads the results and drops the store
 // before the next repetition's fork. See benchmarks/README.md for the method and results;
-// resilient_comm.bench.primitives (`resilient-comm bench primitives`) builds and runs this.
+// resilient_comm.tools.bench.primitives (`resilient-comm bench primitives`) builds and runs this.
 //
 //   rc_bench_primitives [--world-sizes 2,4,8,16] [--reps 20] [--json PATH]
 //                       [--op-timeout-ms 20000] [--rep-timeout-s 120] [--quiet]

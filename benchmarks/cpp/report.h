@@ -1,5 +1,5 @@
 // What one run of the primitives benchmark measured, and its two renderings: the aligned
-// table (stdout) and the JSON document (--json) that resilient_comm.bench.primitives reads.
+// table (stdout) and the JSON document (--json) that resilient_comm.tools.bench.primitives reads.
 //
 // Per repetition a metric's value is the maximum over the processes that measured it (the
 // slowest rank decides when the group can go on); over repetitions the table shows the

@@ -66,7 +66,7 @@ def build() -> None:
 
 def doctor() -> None:
     from resilient_comm import _C
-    from resilient_comm.doctor import nccl_wheel_candidates
+    from resilient_comm.tools.doctor import nccl_wheel_candidates
 
     info = _C.probe_nccl(nccl_wheel_candidates())
     if not info["found"]:
@@ -333,7 +333,7 @@ def latencies_ws1() -> None:
 
 def multi_rank() -> None:
     from resilient_comm import _C
-    from resilient_comm.doctor import nccl_wheel_candidates
+    from resilient_comm.tools.doctor import nccl_wheel_candidates
 
     info = _C.probe_nccl(nccl_wheel_candidates())
     major, minor, _ = (int(x) for x in info["version"].split("."))

@@ -10,9 +10,9 @@
 #include "backend/tensor_args.h"
 #include "comm/store_util.h"
 #include "common/check.h"
-#include "device/emulated_device.h"
+#include "emulation/device/emulated_device.h"
 #include "transport/hccl/hccl_communicator.h"
-#include "transport/nccl/emulator/nccl_emulator.h"
+#include "emulation/nccl/nccl_emulator.h"
 #include "transport/nccl/nccl_communicator.h"
 #include "transport/tcp/tcp_communicator.h"
 

@@ -12,7 +12,7 @@
 
 #include "backend/tensor_args.h"
 #include "common/check.h"
-#include "transport/nccl/emulator/nccl_emulator.h"
+#include "emulation/nccl/nccl_emulator.h"
 #include "transport/tcp/tcp_communicator.h"
 #include "backend/unconfigured.h"
 #include "watchdog/reaper.h"

@@ -14,7 +14,7 @@
 // at the end: as one NCCL group on a device, as one send/recv group on the worker.
 //
 // With RESILIENT_COMM_NCCL_EMULATE=1, resilient_nccl sends CPU tensors through its NCCL
-// communicator on the NCCL emulator (transport/nccl/emulator) instead of TCP, so the whole
+// communicator on the NCCL emulator (csrc/emulation/nccl) instead of TCP, so the whole
 // stack runs on the NCCL code path without a GPU.
 //
 // Threads: any Python thread may issue ops (host ops are serialised by the queue, device ops by

@@ -9,7 +9,7 @@
 // current stream wait for the op's end event and returns at once, without a host wait; the
 // host waits only where asked (synchronize(), RESILIENT_COMM_BLOCKING_WAIT=1, a barrier), or
 // where the host itself consumes the result (an emulated device's host tensors, see
-// device/emulated_device.h). is_completed() queries the end event; the outcome (an error of the
+// emulation/device/emulated_device.h). is_completed() queries the end event; the outcome (an error of the
 // communicator, or Ok when the event completed) is recorded once. The Future is marked from the
 // op's stream (markFutureReady): for a device, at once with the stream's events, so that its
 // consumers order themselves after the op, as ProcessGroupNCCL's futures do.

@@ -1,6 +1,6 @@
 // The one table of RESILIENT_COMM_* knobs. C++ reads them through env::get*(), Python
-// through resilient_comm.config (which asks _C for this same table), and the README lists
-// them. Add a knob here and nowhere else.
+// through resilient_comm.config (which asks _C for this same table), and docs/configuration.md
+// is generated from it (scripts/gen_knobs.py). Add a knob here and nowhere else.
 #pragma once
 
 #include <cstdint>

@@ -11,8 +11,8 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "transport/hccl/hccl_api.h"
-#include "device/scripted_streams.h"
-#include "transport/nccl/emulator/nccl_emulator.h"
+#include "emulation/device/scripted_streams.h"
+#include "emulation/nccl/nccl_emulator.h"
 #include "transport/nccl/nccl_api.h"
 #include "transport/nccl/nccl_communicator.h"
 #include "transport/tcp/tcp_communicator.h"

@@ -1,38 +1,44 @@
 """resilient_comm.elastic: detect, agree, evict, shrink and resume in-process.
 
+The package is split by the process each part runs in, imports going one way only
+(model <- membership <- {node, worker}; worker -> state)::
+
+    model/       pure: the mesh and policy, records, `decide`, the detection bounds, timelines
+    membership/  the store protocol every process speaks (and etcd as the store)
+    node/        the node agent process: ``resilient-run`` and its `NodeAgent`
+    worker/      a training process: the `Controller`, `restartable`, detection, rejoining
+    state/       a worker's training state: providers, transfers, re-sharding, DeviceMesh
+
 - `Controller` wraps the training loop (commit protocol, recovery, timelines).
 - `restartable` re-enters a script's function in the same process after a failure, for
-  scripts not written for the controller (inprocess.py; ``resilient-run --in-process``).
+  scripts not written for the controller (worker/inprocess.py; ``resilient-run --in-process``).
 - `Membership` keeps epochs, decisions and failure reports on the launcher's store.
 - `Detector` turns exit reports, heartbeats and dead-vs-slow bounds into evidence.
 - `Mesh` / `plan` / `plan_shrink`: the mesh-aware policy (hot spares fill lost places; without
   one a TP/PP group is atomic and its whole replica leaves).
-- `decision.decide`: an epoch's decision from what the decider read (pure: unit-tested).
+- `model.decide.decide`: an epoch's decision from what the decider read (pure: unit-tested).
 - `TrainState`: a state provider (model, optimizer, RNG, extra state) for the controller;
-  `statesync` copies a state between members as tensors (hot spares, laggards).
+  `state.transfer` copies a state between members as tensors (hot spares, laggards).
 - `Launcher` (the ``resilient-run`` command) hosts the store, starts workers, reports exits;
-  its `NodeAgent` judges the node's heartbeats and watches the next node (agent.py).
+  its `NodeAgent` judges the node's heartbeats and watches the next node (node/agent.py).
 
 docs/elastic.md describes the protocol, the bounds and what a user sees.
 """
 
-from resilient_comm.elastic.agent import NodeAgent
-from resilient_comm.elastic.controller import (
-    EXIT_EVICTED,
-    Controller,
-    Evicted,
-    Groups,
-    Place,
-    RecoveryError,
-    Step,
-    TrainState,
-)
-from resilient_comm.elastic.detector import Detector, DetectorConfig
-from resilient_comm.elastic.inprocess import restartable
-from resilient_comm.elastic.launcher import Launcher
-from resilient_comm.elastic.membership import Decision, Gone, JoinRecord, Membership
-from resilient_comm.elastic.policy import Mesh, Plan, plan, plan_shrink
-from resilient_comm.elastic.timeline import Timeline, prometheus
+from resilient_comm.elastic.membership.protocol import Membership
+from resilient_comm.elastic.model.bounds import DetectorConfig
+from resilient_comm.elastic.model.env import EXIT_EVICTED
+from resilient_comm.elastic.model.policy import Mesh, Plan, plan, plan_shrink
+from resilient_comm.elastic.model.records import Decision, Gone, JoinRecord
+from resilient_comm.elastic.model.timeline import Timeline, prometheus
+from resilient_comm.elastic.node.agent import NodeAgent
+from resilient_comm.elastic.node.launcher import Launcher
+from resilient_comm.elastic.state.provider import Place, TrainState
+from resilient_comm.elastic.worker.controller import Controller, Step
+from resilient_comm.elastic.worker.detector import Detector
+from resilient_comm.elastic.worker.errors import Evicted, RecoveryError
+from resilient_comm.elastic.worker.groups import Groups
+from resilient_comm.elastic.worker.inprocess import restartable
 
 __all__ = [
     "EXIT_EVICTED",

@@ -1,7 +1,7 @@
-"""``python -m resilient_comm.elastic`` is ``resilient-run``."""
+"""``python -m resilient_comm.elastic`` is ``resilient-run`` (`node.launcher`)."""
 
 import sys
 
-from resilient_comm.elastic.launcher import main
+from resilient_comm.elastic.node.launcher import main
 
 sys.exit(main())

@@ -10,8 +10,8 @@ training time ratio (goodput), the time lost by cause and the spare-exhaustion e
 runs are deterministic in their seed.
 
 - :func:`simulate` runs one scenario under one policy (:mod:`.engine` has the semantics).
-- :mod:`.young_daly` holds the optimal checkpoint interval formulas (a public API shared
-  with the checkpoint advisor).
+- The optimal checkpoint interval formulas (Young/Daly) come from
+  :mod:`resilient_comm.checkpoint.interval`, beside the checkpoint interval advisor.
 - :mod:`.presets` holds the published failure rates, the stated recovery times and the
   ``llama3-16k`` and ``100k`` jobs; :mod:`.validation` the checks against published
   baselines; :func:`main` is ``resilient-comm sim``. The model is described in docs/sim.md.

@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from resilient_comm.checkpoint.interval import expected_waste
 from resilient_comm.sim.engine import checkpoint_interval
 from resilient_comm.sim.model import Policy, Scenario
 from resilient_comm.sim.presets import FAILURE_RATES, PRESETS, preset, suggested_spare_nodes
@@ -43,7 +44,6 @@ from resilient_comm.sim.validation import (
     simulated_optimum,
     textbook_case,
 )
-from resilient_comm.sim.young_daly import expected_waste
 
 __all__ = ["main"]
 
@@ -132,7 +132,7 @@ def _gpu_table(goodput: dict[Policy, list[float]]) -> str:
 def _interval_table(sweeps: list[tuple[IntervalSweep, list[float], float]]) -> str:
     lines = ["| job | interval (min) | simulated waste % | Daly exact % |", "|---|---|---|---|"]
     for sweep, analytic, optimum in sweeps:
-        for t, w, d in zip(sweep.intervals_s, sweep.waste, analytic):
+        for t, w, d in zip(sweep.intervals_s, sweep.waste, analytic, strict=True):
             mark = " (optimum)" if math.isclose(t, optimum) else ""
             lines.append(f"| {sweep.scenario} | {t / 60:.1f}{mark} | {100 * w:.2f} | {100 * d:.2f} |")
     return "\n".join(lines)

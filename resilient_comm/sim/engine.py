@@ -51,8 +51,8 @@ import math
 
 import numpy as np
 
+from resilient_comm.checkpoint.interval import daly_interval
 from resilient_comm.sim.model import LOSS_CAUSES, Policy, Scenario, SimResult
-from resilient_comm.sim.young_daly import daly_interval
 
 __all__ = ["checkpoint_interval", "simulate"]
 

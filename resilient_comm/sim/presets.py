@@ -42,8 +42,16 @@ import math
 
 from resilient_comm.sim.model import Mesh, RecoveryTimes, Scenario
 
-__all__ = ["FAILURE_RATES", "GOALS", "MEASURED_DETECT_S", "PRESETS", "PRESET_RECOVERY", "STATED_RECOVERY", "preset",
-           "suggested_spare_nodes"]
+__all__ = [
+    "FAILURE_RATES",
+    "GOALS",
+    "MEASURED_DETECT_S",
+    "PRESETS",
+    "PRESET_RECOVERY",
+    "STATED_RECOVERY",
+    "preset",
+    "suggested_spare_nodes",
+]
 
 FAILURE_RATES: dict[str, float] = {
     "llama3": 45_600.0,
@@ -62,11 +70,13 @@ STATED_RECOVERY = RecoveryTimes(
 )
 
 MEASURED_DETECT_S = 2.39  # bench control-plane, silent node -> decision, 16,384 emulated ranks (2026-12-03)
-PRESET_RECOVERY = STATED_RECOVERY.replaced({
-    "detect_s": MEASURED_DETECT_S,
-    "source": "detection measured (bench control-plane: silent node -> decision, 16,384 emulated ranks); "
-              "the rest stated (project targets and a torchrun baseline)",
-})
+PRESET_RECOVERY = STATED_RECOVERY.replaced(
+    {
+        "detect_s": MEASURED_DETECT_S,
+        "source": "detection measured (bench control-plane: silent node -> decision, 16,384 emulated ranks); "
+        "the rest stated (project targets and a torchrun baseline)",
+    }
+)
 
 GOALS: dict[str, float] = {"llama3-16k": 0.985, "100k": 0.95}
 """The project's goodput goals for its own policy (``hot-spare``) on each preset."""

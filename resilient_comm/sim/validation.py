@@ -1,6 +1,6 @@
 """Checks that the simulator reproduces published baselines before it predicts anything.
 
-Each function computes one validation figure; ``tests/test_sim.py`` asserts on them and
+Each function computes one validation figure; ``tests/unit/test_sim.py`` asserts on them and
 ``resilient-comm sim --report`` prints them, so the documented numbers and the tested ones
 come from the same code.
 
@@ -22,10 +22,15 @@ import math
 
 import numpy as np
 
+from resilient_comm.checkpoint.interval import (
+    daly_interval,
+    expected_waste,
+    first_order_waste,
+    young_interval,
+)
 from resilient_comm.sim.engine import checkpoint_interval, simulate
 from resilient_comm.sim.model import Policy, Scenario
 from resilient_comm.sim.presets import preset
-from resilient_comm.sim.young_daly import daly_interval, expected_waste, first_order_waste, young_interval
 
 __all__ = [
     "IntervalSweep",

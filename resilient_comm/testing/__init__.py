@@ -10,5 +10,12 @@ from resilient_comm.testing.harness import (
     wait_for,
 )
 
-__all__ = ["WorkerContext", "WorkerResult", "Workers", "all_reduce_until_failure", "run_workers", "start_workers",
-           "wait_for"]
+__all__ = [
+    "WorkerContext",
+    "WorkerResult",
+    "Workers",
+    "all_reduce_until_failure",
+    "run_workers",
+    "start_workers",
+    "wait_for",
+]

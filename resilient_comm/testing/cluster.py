@@ -31,16 +31,36 @@ def etcd_command(i: int, members: dict[int, tuple[str, int, int]], workdir: str,
     """Member i of a new etcd cluster of `members` (id -> address, client port, peer port)."""
     a, client, peer = members[i]
     cluster = ",".join(f"e{j}=http://{h}:{pp}" for j, (h, _, pp) in members.items())
-    return ["etcd", "--name", f"e{i}", "--data-dir", os.path.join(workdir, f"etcd{i}"),
-            "--listen-client-urls", f"http://{a}:{client}", "--advertise-client-urls", f"http://{a}:{client}",
-            "--listen-peer-urls", f"http://{a}:{peer}", "--initial-advertise-peer-urls", f"http://{a}:{peer}",
-            "--initial-cluster", cluster, "--initial-cluster-token", token, "--initial-cluster-state", "new",
-            "--heartbeat-interval", "100", "--election-timeout", "1000"]
+    return [
+        "etcd",
+        "--name",
+        f"e{i}",
+        "--data-dir",
+        os.path.join(workdir, f"etcd{i}"),
+        "--listen-client-urls",
+        f"http://{a}:{client}",
+        "--advertise-client-urls",
+        f"http://{a}:{client}",
+        "--listen-peer-urls",
+        f"http://{a}:{peer}",
+        "--initial-advertise-peer-urls",
+        f"http://{a}:{peer}",
+        "--initial-cluster",
+        cluster,
+        "--initial-cluster-token",
+        token,
+        "--initial-cluster-state",
+        "new",
+        "--heartbeat-interval",
+        "100",
+        "--election-timeout",
+        "1000",
+    ]
 
 
 def wait_etcd(endpoints: str, timeout_s: float) -> None:
     """Until the cluster at `endpoints` answers a write (a quorum formed)."""
-    from resilient_comm.elastic.etcd import EtcdStore
+    from resilient_comm.elastic.membership.etcd.store import EtcdStore
 
     store = EtcdStore(endpoints, datetime.timedelta(seconds=timeout_s))
     deadline = time.monotonic() + timeout_s
@@ -128,8 +148,12 @@ class NetnsCluster:
         for i in self.etcd_on:
             log = open(os.path.join(self.workdir, f"etcd{i}.log"), "wb")  # noqa: SIM115
             self._logs.append(log)
-            self.etcd[i] = self.run(i, etcd_command(i, members, self.workdir, f"rc{self.tag}"),
-                                    stdout=log, stderr=subprocess.STDOUT)
+            self.etcd[i] = self.run(
+                i,
+                etcd_command(i, members, self.workdir, f"rc{self.tag}"),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         self.wait_etcd(etcd_timeout_s)
 
     def wait_etcd(self, timeout_s: float) -> None:
@@ -148,8 +172,9 @@ class NetnsCluster:
             else:
                 i = int(name.rsplit("n", 1)[1])
                 subprocess.run(["ip", "link", "del", self.veth(i)], check=False, capture_output=True)
-                for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True,
-                                          check=False).stdout.split():
+                for pid in subprocess.run(
+                    ["ip", "netns", "pids", name], capture_output=True, text=True, check=False
+                ).stdout.split():
                     try:
                         os.kill(int(pid), signal.SIGKILL)
                     except ProcessLookupError:
@@ -192,14 +217,21 @@ class NetnsCluster:
 
         deadline = time.monotonic() + timeout_s
         while True:
-            status = {j: client(j).post(client(j).get_url("/maintenance/status"), json={}) for j in self.etcd_on}
+            status = {
+                j: client(j).post(client(j).get_url("/maintenance/status"), json={}) for j in self.etcd_on
+            }
             ids = {j: st["header"]["member_id"] for j, st in status.items()}
-            leader = next(j for j, st in status.items() if st["leader"] == st["header"]["member_id"]) \
-                if any(st["leader"] == st["header"]["member_id"] for st in status.values()) else None
+            leader = (
+                next(j for j, st in status.items() if st["leader"] == st["header"]["member_id"])
+                if any(st["leader"] == st["header"]["member_id"] for st in status.values())
+                else None
+            )
             if leader == i:
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"etcd member e{i} did not become the leader in {timeout_s:g} s (leader: {leader})")
+                raise TimeoutError(
+                    f"etcd member e{i} did not become the leader in {timeout_s:g} s (leader: {leader})"
+                )
             if leader is not None:
                 c = client(leader)
                 c.post(c.get_url("/maintenance/transfer-leadership"), json={"targetID": ids[i]})

@@ -83,7 +83,7 @@ def _entry(fn: Callable[..., Any], ctx: WorkerContext, args: tuple, conn: Any, e
     try:
         value = fn(ctx, *args)
         conn.send(WorkerResult(ctx.rank, True, value=value, elapsed_s=time.monotonic() - start))
-    except BaseException as e:  # noqa: BLE001  (report everything to the parent)
+    except BaseException as e:
         text = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
         conn.send(WorkerResult(ctx.rank, False, error=text, elapsed_s=time.monotonic() - start))
     finally:
@@ -106,7 +106,9 @@ class Workers:
     def wait_key(self, key: str, timeout_s: float | None = None) -> None:
         self.store.wait([key], datetime.timedelta(seconds=timeout_s or self.timeout_s))
 
-    def wait_ranks(self, prefix: str, ranks: Iterable[int] | None = None, timeout_s: float | None = None) -> None:
+    def wait_ranks(
+        self, prefix: str, ranks: Iterable[int] | None = None, timeout_s: float | None = None
+    ) -> None:
         """Wait until every rank in `ranks` (default: all) has set `{prefix}/{rank}`."""
         keys = [f"{prefix}/{r}" for r in (range(self.world_size) if ranks is None else ranks)]
         self.store.wait(keys, datetime.timedelta(seconds=timeout_s or self.timeout_s))
@@ -129,7 +131,9 @@ class Workers:
             if p.is_alive():
                 p.kill()
                 p.join()
-                res = res or WorkerResult(rank, False, error="worker did not finish before the harness timeout")
+                res = res or WorkerResult(
+                    rank, False, error="worker did not finish before the harness timeout"
+                )
             if res is None:
                 res = WorkerResult(rank, False, error=f"worker exited with code {p.exitcode} and no result")
             res.exitcode = p.exitcode
@@ -155,14 +159,22 @@ def same_state(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+        return (
+            isinstance(b, (list, tuple)) and len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+        )
     return bool(a == b)
 
 
 def start_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0) -> Workers:
     """Start `world_size` workers running fn(ctx, *args); returns at once."""
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, True, timeout=datetime.timedelta(seconds=timeout_s),
-                          wait_for_workers=False)
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size + 1,
+        True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
     ctx_mp = _context()
     w = Workers(world_size, timeout_s, store)
     env = dict(os.environ)
@@ -177,15 +189,22 @@ def start_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s
     return w
 
 
-def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0) -> list[WorkerResult]:
+def run_workers(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0
+) -> list[WorkerResult]:
     """Run fn(ctx, *args) on `world_size` workers and return their results, by rank."""
     with start_workers(fn, world_size, *args, timeout_s=timeout_s) as w:
         return w.join()
 
 
-def all_reduce_until_failure(store: dist.Store, rank: int, numel: int, announce_after: int = 10,
-                             on_announce: Callable[[], None] | None = None,
-                             catch: tuple[type[BaseException], ...] = (dist.DistBackendError,)) -> tuple[str, float]:
+def all_reduce_until_failure(
+    store: dist.Store,
+    rank: int,
+    numel: int,
+    announce_after: int = 10,
+    on_announce: Callable[[], None] | None = None,
+    catch: tuple[type[BaseException], ...] = (dist.DistBackendError,),
+) -> tuple[str, float]:
     """In a worker: all-reduces ones (SUM) until an op raises one of `catch`; after
     `announce_after` ops it runs `on_announce` and sets ``looping/{rank}`` in `store`, the key a
     fault test waits for before it strikes. Returns the error as "Type: message" and the

@@ -9,7 +9,7 @@ writes each case's outcome there as JSON ("ok", "FAIL", "ERROR", "skipped", ...)
 
 The suite picks its cases by the BACKEND name, so BACKEND stays "gloo"; with RC_SUITE_BACKEND set,
 every default group it makes (init_process_group with backend "gloo") is made on that backend
-instead. Groups a case asks for by name (new_group(backend="gloo")) stay gloo. tests/test_torch_suite.py
+instead. Groups a case asks for by name (new_group(backend="gloo")) stay gloo. tests/backend/test_torch_suite.py
 runs a subset twice, on gloo and on resilient_tcp, and compares.
 """
 

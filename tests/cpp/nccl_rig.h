@@ -12,8 +12,8 @@
 #include <thread>
 #include <vector>
 
-#include "device/emulated_device.h"
-#include "transport/nccl/emulator/nccl_emulator.h"
+#include "emulation/device/emulated_device.h"
+#include "emulation/nccl/nccl_emulator.h"
 #include "transport/nccl/nccl_communicator.h"
 
 #include "check.h"  // last: it replaces c10's CHECK

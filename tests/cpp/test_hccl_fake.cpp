@@ -13,7 +13,7 @@
 
 #include "check.h"
 #include "comm/bootstrap_id.h"
-#include "transport/hccl/fake_hccl.h"
+#include "emulation/hccl/fake_hccl.h"
 #include "transport/hccl/hccl_communicator.h"
 #include "watchdog/reaper.h"
 

@@ -1,7 +1,7 @@
 // ABI conformance: our own NCCL declarations (transport/nccl/nccl_types.h, the signatures of
 // nccl_api.h) against the real nccl.h of the nvidia-nccl wheel, compiled with stub CUDA headers
 // (tests/cpp/abi_stub). Everything is checked at compile time: a mismatch does not build. CMake
-// compiles this file only where it finds the wheel's header; tests/test_cpp.py requires that it
+// compiles this file only where it finds the wheel's header; tests/unit/test_cpp.py requires that it
 // ran.
 #include <nccl.h>
 

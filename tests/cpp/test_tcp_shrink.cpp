@@ -5,7 +5,7 @@
 // shrink; abort during the resync, during the wait for fences and during a grow; mismatched
 // exclude lists (in the build, and in the first collective); a stale Hello left on the shared
 // listener by an abandoned build. Real processes and real SIGKILL are in
-// tests/test_membership.py.
+// tests/backend/test_membership.py.
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <sys/syscall.h>

@@ -1,0 +1,708 @@
+"""``resilient-run``: a torchrun-compatible launcher that never kills survivors.
+
+    resilient-run --nproc-per-node 4 train.py --lr 0.1
+    resilient-run --nnodes 2 --node-rank 0 --rdzv-endpoint host0:29400 --nproc-per-node 8 -m pkg.train
+    resilient-run --nnodes 2:3 --node-rank 2 --rdzv-endpoint host0:29400 --nproc-per-node 8 -m pkg.train
+
+What it does, and how it differs from torchrun:
+
+- **Hosts the job's c10d TCPStore** (node 0, at ``--rdzv-endpoint``, default a free local
+  port), so no worker's death takes the store down. Workers get torchrun's variables (RANK,
+  LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR/MASTER_PORT pointing at
+  that store, TORCHELASTIC_USE_AGENT_STORE=True, TORCHELASTIC_RESTART_COUNT, ...) plus
+  ``RESILIENT_COMM_STORE`` (host:port) and ``RESILIENT_COMM_NAMESPACE`` (the key prefix of
+  this run and generation), which `resilient_comm.elastic.Controller` reads.
+- **Reports a worker's exit at once**: it waits on the workers' pidfds and, the moment one
+  ends, records it under ``{ns}/gone/{rank}`` with an event that every node's agent forwards.
+- **Is the node's agent** (`resilient_comm.elastic.node.agent.NodeAgent`): workers beat to it over
+  a Unix socket (``RESILIENT_COMM_AGENT``); it judges them, writes one liveness record for the
+  node, watches the next node's record, and forwards events to its workers.
+- **Never kills survivors** when a worker dies: they recover in-process.
+- **Forwards SIGINT/SIGTERM** to every worker (each runs in its own session, so a terminal's
+  Ctrl-C reaches a worker once, through the launcher); a second signal sends SIGKILL. Then it
+  exits: node 0 of a multi-node job waits at most SHUTDOWN_GRACE_S (5 s) for the other nodes
+  to end (a second signal: not at all), even for a node that never arrived.
+- **Exits with the workers' status**: the status of the workers that were members of the
+  last membership decision (evicted or dead ranks that the job recovered from do not count):
+  0 when all of them exited 0, else the first failure's code (128+N for signal N). A plain
+  torch script (no controller) is judged on every worker.
+- ``--spares K`` (any node): starts K *hot spares* besides the node's workers: the same command
+  with ``RESILIENT_COMM_SPARE=1`` and RANK set to a spare id (``WORLD_SIZE`` and up, node n of at
+  most N (``--nnodes``'s MAX) taking ``WORLD_SIZE + n``, ``+ N + n``, ...: a lost node's ranks
+  can be replaced by spares on any other node). LOCAL_RANK
+  (the device a process may use) is ``nproc + j`` for the j-th initial spare (a node with 8
+  GPUs runs ``--nproc-per-node 7 --spares 1``), and a refill spare gets the local rank of the
+  process whose exit it replaces (that device is free now). A spare's `Controller` waits warm until the membership gives it a lost rank's place.
+  Each abnormal exit (a worker's death, a spare's) starts one new spare, up to
+  ``--max-spare-starts`` in all (default unlimited), so the pool stays full. Spares that are
+  still waiting when every worker has ended are stopped (SIGTERM) and do not count in the
+  exit status.
+- ``--in-process``: a script not written for the controller restarts in the same processes
+  after a failure (`resilient_comm.elastic.worker.inprocess`: its ``__main__`` inside
+  ``restartable``; the decorator in the script does the same).
+- ``--max-restarts N``: when every worker has ended and the job failed (nobody could recover
+  in-process: say every replica lost a rank), start the whole group again, up to N times, in a
+  fresh namespace (the script resumes from its own checkpoint, as under torchrun). Single
+  node only.
+
+Multi-node: one launcher per node with the same ``--nnodes``, ``--nproc-per-node`` and
+``--rdzv-endpoint``. With ``--rdzv-backend c10d`` node 0 hosts the store and outlives the
+others' workers; with ``--rdzv-backend etcd`` the membership is on an etcd cluster (the
+endpoint lists its members, ``h1:2379,h2:2379,...``), nobody hosts it, each node's liveness is
+a lease and a node cut off from the etcd majority is fenced (docs/elastic.md). Workers
+publish the address their node reaches the store from (``RESILIENT_COMM_HOST``). Ranks are
+static: ``node_rank * nproc_per_node + local_rank``.
+
+``--nnodes MIN:MAX``: nodes 0 to MIN-1 are the job's (``WORLD_SIZE`` = MIN x nproc); a node
+ranked MIN to MAX-1 is *spare capacity*, started at any time, before or after the job started:
+its launcher runs no workers, only spares (``--spares``, default ``--nproc-per-node``; LOCAL_RANK
+0, 1, ...), which the membership places when ranks are lost on any node. Its agent announces
+the node (a "node" event) and every agent adds it to the ring. Every process gets
+``GROUP_WORLD_SIZE`` = MAX (every node the job may have) and ``GROUP_RANK`` = its node's rank; ``WORLD_SIZE // LOCAL_WORLD_SIZE`` is the number of
+nodes with workers. ``N`` and ``N:N`` are the same static job.
+
+This module is the node agent's process (``resilient-run``, ``python -m resilient_comm.elastic``):
+`Launcher` supervises the node's processes, its `node.agent.NodeAgent` speaks for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import secrets
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from typing import IO
+
+import torch.distributed as dist
+
+from resilient_comm.elastic.membership.protocol import Membership, connect
+from resilient_comm.elastic.model.env import (
+    ENV_AGENT,
+    ENV_NAMESPACE,
+    ENV_SPARE,
+    ENV_STORE,
+    ENV_TOKEN,
+    EXIT_EVICTED,
+)
+from resilient_comm.elastic.model.records import Gone, now
+from resilient_comm.elastic.node.agent import NodeAgent
+from resilient_comm.elastic.node.job_view import JobView
+
+# Node 0, shutting down on a signal: how long it waits for the other nodes to end before it
+# leaves (and takes the store they share with it).
+SHUTDOWN_GRACE_S = 5.0
+
+log = logging.getLogger("resilient_comm.launcher")
+
+
+@dataclass
+class Worker:
+    rank: int
+    proc: subprocess.Popen
+    pidfd: int
+    log: IO[bytes] | None
+    status: int | None = None  # shell-style: code, or 128+signal
+    spare: bool = False  # started as a hot spare
+    local_rank: int = 0
+
+
+def describe_status(returncode: int) -> str:
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit code {returncode}"
+
+
+def shell_status(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class Launcher:
+    """Starts and watches one node's workers. `run()` (or `start()` then `wait()`) returns
+    the exit status; `forward(sig)` may be called from a signal handler or another thread."""
+
+    def __init__(
+        self,
+        cmd: list[str],
+        nproc: int,
+        *,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        endpoint: str = "127.0.0.1:0",
+        max_restarts: int = 0,
+        run_id: str | None = None,
+        log_dir: str | None = None,
+        env: dict[str, str] | None = None,
+        store_timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+        spares: int | None = None,
+        max_spare_starts: int | None = None,
+        rdzv_backend: str = "c10d",
+        max_nodes: int | None = None,
+        metrics_port: int | None = None,
+    ) -> None:
+        """`nnodes` and `max_nodes` are ``--nnodes MIN:MAX`` (`max_nodes` None: MAX = MIN);
+        `spares` None: none on an initial node, `nproc` on a capacity node; `metrics_port`:
+        serve this node's Prometheus metrics there (0: any free port; metrics.py)."""
+        max_nodes = nnodes if max_nodes is None else max_nodes
+        if nproc < 1:
+            raise ValueError(f"--nproc-per-node {nproc}: must be at least 1")
+        if not 1 <= nnodes <= max_nodes:
+            raise ValueError(f"--nnodes {nnodes}:{max_nodes}: needs 1 <= MIN <= MAX")
+        if not 0 <= node_rank < max_nodes:
+            raise ValueError(
+                f"--node-rank {node_rank} is out of range: --nnodes {nnodes}:{max_nodes} numbers "
+                f"the nodes 0 to {max_nodes - 1}"
+            )
+        self.capacity = node_rank >= nnodes  # joins as spare capacity: no workers of its own, only spares
+        spares = (nproc if self.capacity else 0) if spares is None else spares
+        if spares < 0 or (max_spare_starts is not None and max_spare_starts < 0):
+            raise ValueError(f"bad spares: --spares {spares}, --max-spare-starts {max_spare_starts}")
+        if self.capacity and not spares:
+            raise ValueError(
+                f"node {node_rank} is a capacity node (--nnodes {nnodes}:{max_nodes}: nodes {nnodes} to "
+                f"{max_nodes - 1} run only spares) and --spares 0 leaves it nothing to run"
+            )
+        if max_restarts and max_nodes > 1:
+            raise ValueError("--max-restarts needs a single node (restarting several nodes is not supported)")
+        self.cmd, self.nproc, self.nnodes, self.node_rank = cmd, nproc, nnodes, node_rank
+        self.max_nodes = max_nodes
+        self.max_restarts, self.log_dir, self.extra_env = max_restarts, log_dir, dict(env or {})
+        if rdzv_backend not in ("c10d", "etcd"):
+            raise ValueError(f"--rdzv-backend {rdzv_backend!r}: c10d (node 0 hosts a TCPStore) or etcd")
+        self.run_id = run_id or uuid.uuid4().hex[:8]
+        # The job token (docs/security.md): the transports' Hellos carry a MAC of it, so a
+        # process without it cannot join a communicator. Handed to the workers through their
+        # environment, never the store. One node makes its own; several nodes need the same
+        # one, which only whoever starts them can give them all (RESILIENT_COMM_TOKEN).
+        self.token = os.environ.get(ENV_TOKEN) or (secrets.token_hex(32) if max_nodes == 1 else "")
+        if not self.token:
+            log.warning(
+                "no job token: set %s to the same secret on every node, or any process that reaches "
+                "the workers' ports can join their communicators (docs/security.md)",
+                ENV_TOKEN,
+            )
+        self.backend = rdzv_backend
+        self.store: dist.Store
+        if rdzv_backend == "etcd":
+            from resilient_comm.elastic.membership.etcd.store import EtcdStore
+
+            self.store = EtcdStore(endpoint, store_timeout)  # every node is a client: nobody hosts it
+            self.host, self.port = self.store.endpoints[0]
+            self.store_spec = f"etcd://{endpoint}"
+        else:
+            host, port = endpoint.rsplit(":", 1)
+            self.store = dist.TCPStore(
+                host, int(port), None, node_rank == 0, timeout=store_timeout, wait_for_workers=False
+            )
+            self.host, self.port = host, self.store.port
+            self.store_spec = f"{self.host}:{self.port}"
+        # The address this node's workers publish for TCP connections: the one it reaches the
+        # store from (the host name's address can be another interface's, or loopback).
+        self.local_addr = _local_address(self.host) if max_nodes > 1 else None
+        self.generation = 0
+        self.spares, self.max_spare_starts, self.spare_starts = spares, max_spare_starts, 0
+        self._next_spare = 0
+        self._ending = False
+        self._events_seen = 0  # the agent's events the ending logic has looked at (capacity node)
+        self.workers: list[Worker] = []
+        self._sel = selectors.DefaultSelector()
+        self.agent: NodeAgent | None = None
+        self._reaped = False
+        self._shutting_down = False
+        self._signals = 0
+        self.job = JobView(self.membership, self._cut_off)
+        self.metrics = None
+        if metrics_port is not None:
+            from resilient_comm.elastic.node.metrics import NodeMetrics
+
+            self.metrics = NodeMetrics(node_rank, metrics_port, world=self.world_size)
+
+    @property
+    def namespace(self) -> str:
+        return f"rc/{self.run_id}/g{self.generation}"
+
+    @property
+    def world_size(self) -> int:
+        """The job's ranks: those of its initial nodes (a capacity node adds only spares)."""
+        return self.nproc * self.nnodes
+
+    def client(self) -> dist.Store:
+        """A new connection to the store (one per thread that uses it)."""
+        return connect(self.store_spec, datetime.timedelta(seconds=60))
+
+    def membership(self) -> Membership:
+        return Membership(self.store, self.namespace, token=self.token)
+
+    def _env(self, rank: int, local_rank: int, spare: bool = False) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(local_rank),
+                "WORLD_SIZE": str(self.world_size),
+                "LOCAL_WORLD_SIZE": str(self.nproc),
+                "GROUP_RANK": str(self.node_rank),
+                "GROUP_WORLD_SIZE": str(self.max_nodes),
+                "ROLE_NAME": "default",
+                "ROLE_RANK": str(rank),
+                "ROLE_WORLD_SIZE": str(self.world_size),
+                "TORCHELASTIC_RESTART_COUNT": str(self.generation),
+                "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
+                "TORCHELASTIC_RUN_ID": self.run_id,
+                ENV_STORE: self.store_spec,
+                ENV_NAMESPACE: self.namespace,
+                ENV_AGENT: self._agent().path,
+            }
+        )
+        if self.backend == "c10d":  # torchrun's agent store (with etcd there is no TCPStore to point at)
+            env.update(
+                {
+                    "MASTER_ADDR": self.host,
+                    "MASTER_PORT": str(self.port),
+                    "TORCHELASTIC_USE_AGENT_STORE": "True",
+                }
+            )
+        if self.token:
+            env[ENV_TOKEN] = self.token
+        if self.local_addr and "RESILIENT_COMM_HOST" not in os.environ:
+            env["RESILIENT_COMM_HOST"] = self.local_addr
+        if spare:
+            env[ENV_SPARE] = "1"
+        if "OMP_NUM_THREADS" not in os.environ and self.nproc > 1:
+            env["OMP_NUM_THREADS"] = "1"  # as torchrun: N workers must not each take every core
+        env.update(self.extra_env)
+        return env
+
+    def start(self) -> None:
+        """Start this node's workers and spares (a new generation after a restart)."""
+        self.workers, self._next_spare, self._ending, self._events_seen = [], 0, False, 0
+        if self.agent is not None:
+            self.agent.stop()
+        self.agent = NodeAgent(
+            self.membership(),
+            self.node_rank,
+            self.max_nodes,
+            nproc=self.nproc,
+            present=range(self.nnodes),
+            register=lambda f, cb: self._sel.register(f, selectors.EVENT_READ, cb),
+            unregister=self._sel.unregister,
+        )
+        self.agent.metrics = self.metrics
+        self.agent.start()
+        if self.capacity:
+            self.agent.announce()  # on the ring before any of its spares can be placed
+        workers = 0 if self.capacity else self.nproc
+        for local_rank in range(workers):
+            self._spawn(self.node_rank * self.nproc + local_rank, local_rank)
+        for j in range(self.spares):
+            self._start_spare(workers + j)  # the devices after the workers'
+        log.info(
+            "started %d workers%s%s (generation %d, store %s:%d, namespace %s): %s",
+            workers,
+            f" and {self.spares} spares" if self.spares else "",
+            f" as capacity node {self.node_rank} (--nnodes {self.nnodes}:{self.max_nodes})"
+            if self.capacity
+            else "",
+            self.generation,
+            self.host,
+            self.port,
+            self.namespace,
+            " ".join(self.cmd),
+        )
+
+    def _spawn(self, rank: int, local_rank: int, spare: bool = False) -> Worker:
+        out: IO[bytes] | None = None
+        if self.log_dir:
+            os.makedirs(os.path.join(self.log_dir, str(self.generation)), exist_ok=True)
+            out = open(os.path.join(self.log_dir, str(self.generation), f"{rank}.log"), "wb")  # noqa: SIM115
+        proc = subprocess.Popen(
+            self.cmd,
+            env=self._env(rank, local_rank, spare),
+            start_new_session=True,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+        )
+        w = Worker(rank, proc, os.pidfd_open(proc.pid), out, spare=spare, local_rank=local_rank)
+        self._agent().add(rank, proc.pid)
+        self._sel.register(w.pidfd, selectors.EVENT_READ, lambda: self._reap(w))
+        self.workers.append(w)
+        return w
+
+    def _start_spare(self, local_rank: int) -> None:
+        """Start one spare with the next free id: world size and up, interleaved by node (node n
+        of at most N gives ids W + n, W + N + n, ...), so every node's agent starts spares of its
+        own, a capacity node too."""
+        spare_id = self.world_size + self._next_spare * self.max_nodes + self.node_rank
+        self._next_spare += 1
+        self.spare_starts += 1
+        w = self._spawn(spare_id, local_rank, spare=True)
+        log.info("started spare %d (pid %d, local rank %d)", spare_id, w.proc.pid, local_rank)
+
+    def _waiting_spares(self) -> list[Worker]:
+        placed = self.job.placed()
+        return [w for w in self.workers if w.spare and w.status is None and w.rank not in placed]
+
+    def wait(self) -> int:
+        """Watch the workers until all have ended (restarting the group if allowed); returns
+        the exit status."""
+        while True:
+            while any(w.status is None for w in self.workers):
+                self._serve()
+                news = self.capacity and self._agent().events_read != self._events_seen
+                if self._reaped or news:
+                    self._reaped, self._events_seen = False, self._agent().events_read
+                    self._stop_idle_spares()
+            status = self._status()
+            if status == 0 or self._shutting_down or self.generation >= self.max_restarts:
+                self._node_done()
+                self._agent().stop()
+                return status
+            self.generation += 1
+            log.warning(
+                "the job failed (status %d) with no survivor to go on; restart %d of %d",
+                status,
+                self.generation,
+                self.max_restarts,
+            )
+            self.start()
+
+    def _agent(self) -> NodeAgent:
+        assert self.agent is not None, "start() first"
+        return self.agent
+
+    def _cut_off(self) -> str | None:
+        """Why this node can no longer use the store (its agent fenced it, or lost the store):
+        then nothing is asked of it -- each call would only wait out the store's retry budget
+        (10 s on etcd) while the workers' exits wait to be reaped."""
+        return None if self.agent is None else self.agent.fenced or self.agent.store_lost
+
+    def _serve(self) -> None:
+        """One turn of the loop: exits (pidfds), the agent's socket, the agent's tick."""
+        agent = self._agent()
+        for key, _ in self._sel.select(agent.next_tick_in()):
+            key.data()
+        agent.tick()
+
+    def run(self) -> int:
+        self.start()
+        return self.wait()
+
+    def _reap(self, w: Worker) -> None:
+        returncode = w.proc.wait()
+        t = now()
+        self._sel.unregister(w.pidfd)
+        os.close(w.pidfd)
+        self._reaped = True
+        self._agent().exited(w.rank)
+        if w.log is not None:
+            w.log.close()
+        w.status = shell_status(returncode)
+        what = describe_status(returncode)
+        if self._shutting_down:
+            log.info("worker %d (pid %d) ended during shutdown: %s", w.rank, w.proc.pid, what)
+            return
+        if self._ending and w.spare:
+            log.info("spare %d (pid %d) ended: %s", w.rank, w.proc.pid, what)
+            return
+        if self._cut_off():
+            log.warning("worker %d (pid %d): %s; not reported: %s", w.rank, w.proc.pid, what, self._cut_off())
+            return
+        try:
+            self.membership().report_gone(Gone(w.rank, "exit", what, t, "launcher"))
+        except dist.DistError as e:
+            log.error(
+                "worker %d (pid %d): %s; could not report it: the store failed (%s)",
+                w.rank,
+                w.proc.pid,
+                what,
+                e,
+            )
+            return
+        level = logging.INFO if returncode == 0 else logging.WARNING
+        log.log(
+            level,
+            "%s %d (pid %d): %s; reported to the membership",
+            "spare" if w.spare else "worker",
+            w.rank,
+            w.proc.pid,
+            what,
+        )
+        if (
+            self.spares
+            and w.status not in (0, EXIT_EVICTED)
+            and not self._ending
+            and (self.max_spare_starts is None or self.spare_starts < self.spares + self.max_spare_starts)
+        ):
+            self._start_spare(w.local_rank)  # the pool stays full; it takes the freed device
+
+    def _stop_idle_spares(self) -> None:
+        """Once every worker (and placed spare) has ended, the waiting spares are not needed. A
+        capacity node has no workers of its own: its spares wait until the job is over."""
+        if self._ending or not any(w.spare for w in self.workers):
+            return
+        waiting = self._waiting_spares()
+        if all(w.status is not None for w in self.workers if w not in waiting) and (
+            not self.capacity or self.job.over()
+        ):
+            self._ending = True
+            for w in waiting:
+                if w.status is None:
+                    try:
+                        signal.pidfd_send_signal(w.pidfd, signal.SIGTERM)
+                    except (ProcessLookupError, OSError):
+                        pass  # ended meanwhile; the selector reports it
+
+    def _status(self) -> int:
+        """The status of this node's workers that belong to the last membership decision. Once
+        the job finished, a member killed by a signal is no failure: every member had committed
+        the last step (its vote counted) or been counted gone by the others, so the job is
+        whole (a scheduler must not see a finished job as failed). Its own non-zero exit still
+        counts (an error after training, say in saving the model, is the user's to see)."""
+        d = self.job.last_decision()
+        members = None if d is None or d.mode == "fail" else set(d.members)
+        judged = [
+            w for w in self.workers if (members is None and not w.spare) or (members and w.rank in members)
+        ]
+        killed = [w for w in judged if w.status is not None and (w.proc.returncode or 0) < 0]
+        if killed and members is not None and self.job.finished():
+            for w in killed:
+                log.info(
+                    "worker %d was %s after the job finished: not a failure",
+                    w.rank,
+                    describe_status(w.proc.returncode),
+                )
+            judged = [w for w in judged if w not in killed]
+        return next((w.status for w in judged if w.status), 0) or 0
+
+    def _node_done(self) -> None:
+        """Node 0 hosts the store: it waits for every other node on the ring -- initial, or a
+        capacity node that announced itself -- to end (or for its loss, which its agent goes on
+        watching for) before leaving."""
+        key = f"rc/{self.run_id}/node-done/"
+        agent = self._agent()
+        agent.finish()
+        if self.backend != "c10d" or self._cut_off():
+            return  # nobody hosts an etcd cluster: no node waits for the others
+        try:
+            self.store.set(key + str(self.node_rank), "1")
+        except dist.DistError as e:
+            log.error("could not record this node's end: the store failed (%s)", e)
+            return
+        if self.node_rank != 0:
+            return
+        shutdown_at: float | None = None
+        while True:
+            # the ring is read again each turn: a node may announce itself meanwhile
+            missing = sorted(n for n in agent.ring() - {0} if not self.store.check([key + str(n)]))
+            if not missing:
+                return
+            if self._shutting_down:
+                # A signal (scancel, a pod's deletion, Ctrl-C) ends this node even when another
+                # never arrived or never ends: it waits a short grace for them, then leaves (a
+                # second signal: at once). Their store goes with it.
+                shutdown_at = time.monotonic() if shutdown_at is None else shutdown_at
+                waited = time.monotonic() - shutdown_at
+                if waited >= SHUTDOWN_GRACE_S or self._signals > 1:
+                    log.warning(
+                        "shutting down: leaving without node(s) %s, which had not ended after %.1f s; "
+                        "the store this node hosts goes with it",
+                        ", ".join(map(str, missing)),
+                        waited,
+                    )
+                    return
+            self._serve()
+
+    def forward(self, sig: int) -> None:
+        """Pass a signal to every live worker; the second signal is SIGKILL."""
+        self._signals += 1
+        self._shutting_down = True
+        sig = signal.SIGKILL if self._signals > 1 else sig
+        for w in self.workers:
+            if w.status is None:
+                try:
+                    signal.pidfd_send_signal(w.pidfd, sig)
+                except (ProcessLookupError, OSError):
+                    pass  # ended meanwhile; the selector reports it
+
+
+def _local_address(host: str) -> str:
+    """The local address this host uses to reach `host` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(host), 9))
+        return str(s.getsockname()[0])
+
+
+def _parse_nnodes(text: str) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` -> (MIN, MAX)."""
+    lo, sep, hi = text.partition(":")
+    try:
+        least, most = int(lo), int(hi if sep else lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or MIN:MAX (whole numbers of nodes)") from None
+    if least < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a job needs at least 1 node (MIN >= 1)")
+    if least > most:
+        raise argparse.ArgumentTypeError(f"{text!r}: MIN {least} is more than MAX {most}")
+    return least, most
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="resilient-run",
+        allow_abbrev=False,
+        description="A torchrun-compatible launcher: hosts the job's store, reports a "
+        "worker's exit at once, never kills the survivors.",
+    )
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, help="workers per node")
+    p.add_argument(
+        "--nnodes",
+        type=_parse_nnodes,
+        default=(1, 1),
+        metavar="N|MIN:MAX",
+        help="nodes: N, or MIN:MAX (nodes MIN to MAX-1 join, at any time, as spare capacity)",
+    )
+    p.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's rank")
+    p.add_argument(
+        "--rdzv-endpoint", "--rdzv_endpoint", default="", help="host:port of the store (node 0 hosts it)"
+    )
+    p.add_argument(
+        "--rdzv-backend",
+        "--rdzv_backend",
+        default="c10d",
+        choices=("c10d", "etcd", "static"),
+        help="c10d (node 0 hosts a TCPStore; 'static' is the same) or etcd (the membership on an etcd "
+        "cluster at --rdzv-endpoint h1:2379,h2:2379,...: no node's loss takes it down)",
+    )
+    p.add_argument("--rdzv-id", "--rdzv_id", default=None, help="run id (default: random)")
+    p.add_argument("--master-addr", "--master_addr", default=None, help="store host when no --rdzv-endpoint")
+    p.add_argument(
+        "--master-port", "--master_port", type=int, default=None, help="store port when no --rdzv-endpoint"
+    )
+    p.add_argument("--standalone", action="store_true", help="single node on a free local port (the default)")
+    p.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+        default=0,
+        help="whole-group restarts when no worker survives to recover (default 0)",
+    )
+    p.add_argument(
+        "--monitor-interval",
+        "--monitor_interval",
+        type=float,
+        default=None,
+        help="accepted for torchrun compatibility; exits are seen at once (pidfd), not polled",
+    )
+    p.add_argument(
+        "--spares",
+        type=int,
+        default=None,
+        help="hot spares this node keeps waiting (default 0; on a capacity node --nproc-per-node)",
+    )
+    p.add_argument(
+        "--max-spare-starts",
+        "--max_spare_starts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="spares started to refill the pool after failures, in all (default unlimited)",
+    )
+    p.add_argument(
+        "--log-dir", "--log_dir", default=None, help="write each worker's output to DIR/GEN/RANK.log"
+    )
+    (
+        p.add_argument(
+            "--metrics-port",
+            type=int,
+            default=None,
+            metavar="N",
+            help="serve this node's Prometheus metrics at http://0.0.0.0:N/metrics (0: any free port, "
+            "logged; needs prometheus_client: resilient_comm[metrics])",
+        ),
+    )
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="restart the script in the same processes after a failure (elastic.restartable "
+        "around its __main__)",
+    )
+    p.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
+    p.add_argument("--no-python", "--no_python", action="store_true", help="run the script as a program")
+    p.add_argument("script", help="the training script (or module, or program)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    a = p.parse_args(argv)
+    least, most = a.nnodes
+    logging.basicConfig(level=logging.INFO, format="[resilient-run] %(message)s", stream=sys.stderr)
+    if a.rdzv_endpoint:
+        endpoint = a.rdzv_endpoint
+    elif a.master_addr or a.master_port:
+        endpoint = f"{a.master_addr or '127.0.0.1'}:{a.master_port or 0}"
+    else:
+        endpoint = "127.0.0.1:0"
+    if most > 1 and endpoint.endswith(":0"):
+        print(
+            "resilient-run: more than one node (--nnodes N or MIN:MAX) needs --rdzv-endpoint host:port",
+            file=sys.stderr,
+        )
+        return 2
+    if a.rdzv_backend == "etcd" and not a.rdzv_endpoint:
+        print(
+            "resilient-run: --rdzv-backend etcd needs --rdzv-endpoint host:port[,host:port...]",
+            file=sys.stderr,
+        )
+        return 2
+    if a.in_process and a.no_python:
+        print("resilient-run: --in-process runs a Python script or module, not --no-python", file=sys.stderr)
+        return 2
+    inproc = ["-m", "resilient_comm.elastic.worker.inprocess_main"] if a.in_process else []
+    if a.no_python:
+        cmd = [a.script, *a.script_args]
+    elif a.module:
+        cmd = [sys.executable, "-u", *inproc, "-m", a.script, *a.script_args]
+    else:
+        cmd = [sys.executable, "-u", *inproc, a.script, *a.script_args]
+    try:
+        launcher = Launcher(
+            cmd,
+            a.nproc_per_node,
+            nnodes=least,
+            max_nodes=most,
+            node_rank=a.node_rank,
+            endpoint=endpoint,
+            max_restarts=a.max_restarts,
+            run_id=a.rdzv_id,
+            log_dir=a.log_dir,
+            spares=a.spares,
+            max_spare_starts=a.max_spare_starts,
+            rdzv_backend="etcd" if a.rdzv_backend == "etcd" else "c10d",
+            metrics_port=a.metrics_port,
+        )
+    except ValueError as e:  # a bad layout (nodes, ranks, spares) or endpoint: a usage error
+        p.error(str(e))
+    except (RuntimeError, OSError) as e:  # --metrics-port: no prometheus_client, or the port is taken
+        print(f"resilient-run: {e}", file=sys.stderr)
+        return 2
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, _f: launcher.forward(s))
+    status = launcher.run()
+    if launcher.metrics is not None:
+        launcher.metrics.close()
+    log.info("all workers ended; exit status %d", status)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Failure evidence held by one member, shared by the `Controller` and `restartable`. Runs in
+a worker: its detector's threads deliver the evidence, its training thread reads it.
+
+The detector's threads deliver it (`_on_gone`, `_on_fenced`, `_on_store_lost`) and abort what
+the member holds -- its process groups, or the backends a script made -- so that the training
+thread's collective returns at once; the training thread reads it when it recovers
+(`_check_fatal`, `_failure_times`, `_forget`). Everything here is under one lock, never held
+while aborting.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import torch.distributed as dist
+
+from resilient_comm.elastic.membership.protocol import Membership
+from resilient_comm.elastic.model.records import Decision, Gone, JoinRecord, now
+from resilient_comm.elastic.worker.detector import Detector
+from resilient_comm.elastic.worker.errors import Evicted, RecoveryError
+from resilient_comm.elastic.worker.pacer import Pacer
+from resilient_comm.elastic.worker.rejoin import join_wait_s
+
+
+class Evidence:
+    """What this member knows of failures, and what a failure aborts (`_held`)."""
+
+    _m: Membership
+    _detector: Detector
+    _decision: Decision
+    _timeout: datetime.timedelta
+    applied_epoch: int
+
+    def __init__(self, rank: int, members: list[int]) -> None:
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._held: list[Any] = []  # what a failure aborts (`_abort`)
+        self._watching: set[int] = set(members)  # ranks whose loss concerns this member
+        self._evidence: dict[int, Gone] = {}
+        self._detected_at: float | None = None
+        self._fatal: str | None = None  # the agent is gone, or it lost the store
+        self._fenced: str | None = None  # the node agent cut this node off (no store majority)
+        self._finished = False
+
+    def _abort(self, held: list[Any], reason: str) -> None:
+        raise NotImplementedError
+
+    def _note(self, g: Gone) -> None:
+        """Called under the lock with every report, watched or not."""
+
+    def _on_gone(self, g: Gone) -> None:
+        with self._lock:
+            self._note(g)
+            if self._finished or g.rank not in self._watching:
+                return
+            self._evidence.setdefault(g.rank, g)
+            if self._detected_at is None:
+                self._detected_at = now()
+            held = list(self._held)
+        self._abort(held, f"rank {g.rank} is gone ({g.kind}: {g.detail}, reported by {g.by})")
+
+    def _on_fenced(self, reason: str) -> None:
+        with self._lock:
+            self._fenced = reason
+            held = list(self._held)
+        self._abort(held, f"fenced: {reason}")
+
+    def _on_store_lost(self, reason: str) -> None:
+        with self._lock:
+            self._fatal = reason
+            held = list(self._held)
+        self._abort(held, reason)
+
+    def _check_fatal(self) -> None:
+        """Leave if the node was fenced (`Evicted`) or the store is gone (`RecoveryError`)."""
+        if self._fenced:
+            raise Evicted(f"rank {self.rank} was fenced: {self._fenced}")
+        if self._fatal:
+            raise RecoveryError(self._fatal)
+
+    def _join_via_agent(self, record: JoinRecord, deadline: float) -> tuple[str, str] | None:
+        """`catch_up`'s `via`: the node agent writes this node's join records together. A fence
+        or the agent's loss while waiting ends the wait and the recovery (`_check_fatal`)."""
+        answer = self._detector.join(record, join_wait_s(deadline))
+        self._check_fatal()
+        return answer
+
+    def _store_failed(self, e: BaseException) -> NoReturn:
+        """A store call failed: fenced meanwhile (`Evicted`), or no membership (`RecoveryError`)."""
+        self._check_fatal()
+        raise RecoveryError(f"rank {self.rank}: the store failed: {e}") from e
+
+    def _failure_times(self) -> tuple[float, float]:
+        """(when the failure happened as best known, when this member first learnt of one)."""
+        with self._lock:
+            detected = self._detected_at or now()
+            return min([g.t for g in self._evidence.values()] + [detected]), detected
+
+    def _forget(self, members: list[int]) -> None:
+        """Drop the evidence on ranks that are no longer members."""
+        with self._lock:
+            for r in [r for r in self._evidence if r not in members]:
+                del self._evidence[r]
+            if not self._evidence:
+                self._detected_at = None
+
+    def _wait_all_done(self, done_of: Callable[[list[int]], dict[int, int]]) -> bool:
+        """This member is done: wait until every member of its epoch is done or gone (True; the
+        job is over, waiting spares are told to leave), or a later epoch started (False: a
+        member recovers after this one finished, and this one must join it)."""
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        pace = Pacer(cap_s=0.02)
+        while True:
+            self._check_fatal()
+            members = self._decision.members
+            try:
+                done, gone = done_of(members), self._detector.gone()
+                if all(r in done or r in gone for r in members):
+                    with self._lock:
+                        self._finished = True
+                    if not self._m.finished():
+                        self._m.set_finished()
+                        self._m.post_event({"kind": "finished"})  # waiting spares leave
+                    return True
+                if self._m.epoch() > self.applied_epoch:
+                    return False
+            except (dist.DistStoreError, dist.DistNetworkError) as e:
+                self._store_failed(e)
+            if time.monotonic() > deadline:
+                raise RecoveryError(f"members {[r for r in members if r not in done]} never finished")
+            pace.wait()
+
+
+__all__ = ["Evidence"]

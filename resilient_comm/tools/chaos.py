@@ -1,0 +1,396 @@
+"""`resilient-comm chaos`: seeded fault trials against a deterministic training job.
+
+Each trial runs the elastic toy (``resilient_comm.testing.toy``: an MLP whose every correct run
+ends bit-identical to a fault-free reference) under resilient-run's Launcher and injects one
+kind of fault with a real signal, at a point drawn from the seed:
+
+==================  ==============================================================================
+kill                one rank SIGKILLs itself at a step's start, sync or commit
+kill2               two ranks, at two steps
+kill-in-recovery    one rank, then a second during the recovery it started (joined or agreed)
+kill-decider        the same, the second being the recovery's decider (the lowest live member)
+kill-last-vote      one rank right after the last step committed (the job must still exit 0)
+kill-checkpointing  one rank while the controller writes async checkpoints every 3 steps
+stop-short          SIGSTOP for 0.3 s, under the silence bound: nobody may be evicted
+stop-long           SIGSTOP for 3 s: the stopped rank is evicted, the others go on
+spare               one rank killed with a hot spare waiting: the spare takes its place
+tp2                 tp=2: one rank killed, its whole replica goes
+==================  ==============================================================================
+
+and checks: no hang (the job ends within --timeout-s), exit status 0, every member of the last
+decision at the final step, replicas bit-identical, and equal to the reference (a fault-free
+run continued from each recovery's resume step with the survivors' data streams; with a spare,
+the fault-free run itself; tp2 compares the replicas of each shard only), no false eviction
+(nobody lost or evicted but the victims and their replica partners), and the recovery time.
+Prints one line per trial and a table per kind; ``--out FILE`` writes every trial as JSON.
+Exit status 1 if any trial failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+KINDS = (
+    "kill",
+    "kill2",
+    "kill-in-recovery",
+    "kill-decider",
+    "kill-last-vote",
+    "kill-checkpointing",
+    "stop-short",
+    "stop-long",
+    "spare",
+    "tp2",
+)
+PHASES = ("start", "synced", "committed")
+STOP_SHORT_S, STOP_LONG_S = 0.3, 3.0
+STEP_MS = 25  # compute per step: the job runs long enough for heartbeats to tell its phases
+
+
+@dataclass
+class Trial:
+    index: int
+    kind: str
+    args: list[str]  # the toy's fault arguments
+    victims: list[int]  # ranks that die or are stopped past the bound
+    stop: tuple[int, int, float] | None = None  # (rank, step, hold seconds)
+    spares: int = 0
+    tp: int = 1
+
+
+@dataclass
+class Outcome:
+    index: int
+    kind: str
+    args: list[str]
+    ok: bool = True
+    problems: list[str] = field(default_factory=list)
+    status: int | None = None
+    hang: bool = False
+    divergent: bool = False
+    false_evictions: list[int] = field(default_factory=list)
+    recovery_ms: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def fail(self, why: str) -> None:
+        self.ok = False
+        self.problems.append(why)
+
+
+def draw(index: int, kind: str, rng: random.Random, world: int, steps: int) -> Trial:
+    """The fault of trial `index`: where and when, from the seeded `rng`."""
+    step = rng.randrange(3, steps - 5)
+    victim = rng.randrange(world)
+    phase = rng.choice(PHASES)
+    kill = ["--kill", f"{victim}:{step}:{phase}"]
+    if kind == "kill":
+        return Trial(index, kind, kill, [victim])
+    if kind == "kill2":
+        other = rng.choice([r for r in range(world) if r != victim])
+        later = rng.randrange(step, steps - 4)
+        return Trial(index, kind, [*kill, "--kill", f"{other}:{later}:{rng.choice(PHASES)}"], [victim, other])
+    if kind in ("kill-in-recovery", "kill-decider"):
+        survivors = [r for r in range(world) if r != victim]
+        second = survivors[0] if kind == "kill-decider" else rng.choice(survivors)
+        return Trial(
+            index, kind, [*kill, "--kill", f"{second}:1:{rng.choice(('joined', 'agreed'))}"], [victim, second]
+        )
+    if kind == "kill-last-vote":
+        return Trial(index, kind, ["--kill", f"{victim}:{steps - 1}:committed"], [victim])
+    if kind == "kill-checkpointing":
+        return Trial(index, kind, [*kill, "--ckpt-dir-every", "3"], [victim])
+    if kind == "stop-short":
+        return Trial(index, kind, ["--mark", f"{victim}:{step}"], [], stop=(victim, step, STOP_SHORT_S))
+    if kind == "stop-long":
+        # Past a few heartbeats: a rank whose last beat came before its first step is held to
+        # the start-up bound (ten floors), longer than this stop.
+        step = max(step, 10)
+        return Trial(index, kind, ["--mark", f"{victim}:{step}"], [victim], stop=(victim, step, STOP_LONG_S))
+    if kind == "spare":
+        return Trial(index, kind, kill, [victim], spares=1)
+    if kind == "tp2":
+        return Trial(index, kind, ["--tp", "2", *kill], [victim], tp=2)
+    raise ValueError(f"unknown trial kind {kind!r} (kinds: {', '.join(KINDS)})")
+
+
+class Reference:
+    """Fault-free runs of the toy: the whole run's trace, and continuations from a step with
+    given data streams (cached)."""
+
+    def __init__(
+        self, world: int, steps: int, workdir: str, timeout_s: float, trace: dict[int, Any] | None = None
+    ) -> None:
+        """`trace`: the fault-free run's trace ({step: {step, state}}), if already made."""
+        self.world, self.steps, self.workdir, self.timeout_s = world, steps, workdir, timeout_s
+        self._runs = 0
+        if trace is None:
+            import torch
+
+            path = os.path.join(workdir, "fault-free.pt")
+            self._run(world, ["--trace", path], "fault-free")
+            trace = torch.load(path, weights_only=False)
+        self.trace: dict[int, Any] = trace
+        self._cache: dict[tuple, Any] = {}
+
+    def _run(self, nproc: int, args: list[str], name: str) -> None:
+        """One fault-free run. A run that had a recovery of its own (a rank starved long enough to
+        be suspected on a loaded machine) is not a reference: it is run again."""
+        from resilient_comm.testing.toy import ToyJob
+
+        for attempt in range(3):
+            job = ToyJob(
+                nproc,
+                args if "--steps" in args else ["--steps", str(self.steps), *args],
+                os.path.join(self.workdir, name if attempt == 0 else f"{name}-again{attempt}"),
+                quiet=True,
+            ).start()
+            status = job.wait(self.timeout_s)
+            events = job.events()
+            if status == 0 and not any(e["event"] in ("restored", "evicted", "failed") for e in events):
+                return
+        raise RuntimeError(f"the fault-free reference run {name} failed 3 times; last: {events[-3:]}")
+
+    def final(self, segments: list[tuple[int, list[int]]]) -> Any:
+        """The state after the last step of a run that resumed at each (step, data streams)."""
+        import torch
+
+        state = self.trace[self.steps - 1]
+        for i, (resume, streams) in enumerate(segments):
+            end = segments[i + 1][0] if i + 1 < len(segments) else self.steps
+            if not 0 < resume < end:
+                raise ValueError(f"segment {i} resumes at step {resume}, not within (0, {end}): {segments}")
+            # A segment's result depends on where it ends as much as on what came before it.
+            key = (tuple((step, tuple(ids)) for step, ids in segments[: i + 1]), end)
+            if key not in self._cache:
+                self._runs += 1
+                name = f"ref-{self._runs}"
+                src, trace = (
+                    os.path.join(self.workdir, f"{name}-start.pt"),
+                    os.path.join(self.workdir, f"{name}.pt"),
+                )
+                torch.save(self.trace[resume - 1] if i == 0 else state, src)
+                self._run(
+                    len(streams),
+                    [
+                        "--steps",
+                        str(end),
+                        "--resume-from",
+                        src,
+                        "--trace",
+                        trace,
+                        "--data-ids",
+                        ",".join(map(str, streams)),
+                    ],
+                    name,
+                )
+                steps = torch.load(trace, weights_only=False)
+                if sorted(steps) != list(range(resume, end)):
+                    raise RuntimeError(
+                        f"reference run {name} traced steps {sorted(steps)}, not {resume}..{end - 1}"
+                    )
+                self._cache[key] = steps[end - 1]
+            state = self._cache[key]
+        return state["state"]
+
+
+def run_trial(t: Trial, world: int, steps: int, workdir: str, timeout_s: float, ref: Reference) -> Outcome:
+    import torch
+
+    from resilient_comm.elastic import Membership
+    from resilient_comm.testing.harness import same_state, wait_for
+    from resilient_comm.testing.toy import ToyJob
+
+    out = Outcome(t.index, t.kind, t.args)
+    dump = os.path.join(workdir, "dump")
+    hold = ["--hold", "0:1"] if t.spares else []  # the kill comes after the spare registered
+    args = ["--steps", str(steps), "--step-ms", str(STEP_MS), "--dump", dump, *t.args, *hold]
+    if "--ckpt-dir-every" in args:
+        args += ["--ckpt-dir", os.path.join(workdir, "ckpt")]
+    t0 = time.monotonic()
+    job = ToyJob(world, args, workdir, quiet=True, spares=t.spares).start()
+    store = job.launcher.client()
+    m = Membership(store, job.launcher.namespace)
+    try:
+        if t.spares:
+            wait_for(lambda: len(m.spares()) >= t.spares, "the spare to register")
+            store.set("toy/go/1", "1")
+        if t.stop:
+            rank, step, hold_s = t.stop
+            store.wait([f"toy/at/{rank}/{step}"], datetime.timedelta(seconds=timeout_s))
+            os.kill(job.pid(rank), signal.SIGSTOP)
+            try:
+                time.sleep(hold_s)  # the fault's duration (what the trial is about), not a synchronisation
+            finally:
+                os.kill(job.pid(rank), signal.SIGCONT)
+        out.status = job.wait(max(1.0, timeout_s - (time.monotonic() - t0)))
+    except TimeoutError:
+        out.hang = True
+        out.fail(f"hang: the job did not end within {timeout_s:.0f} s")
+        return out
+    finally:
+        out.seconds = time.monotonic() - t0
+    if out.status != 0:
+        out.fail(f"exit status {out.status}")
+    decisions = [d for e in range(m.epoch() + 1) if (d := m.decision(e)) is not None]
+    last = decisions[-1]
+    partners = _replica_partners(t, world)
+    out.false_evictions = sorted(
+        {r for d in decisions for r in (*d.lost, *d.evicted)} - set(t.victims) - partners
+    )
+    if out.false_evictions:
+        out.fail(f"false eviction of {out.false_evictions}")
+    if t.kind == "stop-long" and not any(t.victims[0] in d.lost for d in decisions):
+        out.fail(f"rank {t.victims[0]}, stopped for {STOP_LONG_S} s, was not evicted")
+    killed = {e["rank"] for e in job.events() if e["event"] == "kill"}
+    alive = [r for r in last.members if r not in killed]
+    finals = {}
+    for r in alive:
+        path = os.path.join(dump, f"final-{r}.pt")
+        if not os.path.exists(path):
+            out.fail(f"member {r} left no final state")
+            continue
+        finals[r] = torch.load(path, weights_only=False)
+        if finals[r]["committed"] != steps - 1:
+            out.fail(f"member {r} ended at step {finals[r]['committed']}, not {steps - 1}")
+        out.recovery_ms += [tl["ms"]["total"] for tl in finals[r]["recoveries"]]
+    if not finals:
+        return out
+    groups: dict[int, list[int]] = {}
+    for r in finals:
+        groups.setdefault(last.members.index(r) % t.tp, []).append(r)
+    for shard in groups.values():
+        if any(not same_state(finals[r]["state"], finals[shard[0]]["state"]) for r in shard):
+            out.divergent = True
+            out.fail(f"replicas {shard} differ")
+    if t.tp == 1 and not out.divergent:
+        try:
+            want = ref.final(_segments(decisions, steps))
+        except (RuntimeError, ValueError, OSError, TimeoutError) as e:
+            out.fail(f"no reference: {e}")
+            return out
+        if not same_state(finals[alive[0]]["state"], want):
+            out.divergent = True
+            out.fail("the final state differs from the fault-free reference")
+    return out
+
+
+def _segments(decisions: list[Any], steps: int) -> list[tuple[int, list[int]]]:
+    """(resume step, data streams) of each recovery that changed the data streams."""
+    segs: list[tuple[int, list[int]]] = []
+    streams = list(range(len(decisions[0].members)))
+    for d in decisions[1:]:
+        now = list(d.slots) if d.slots else list(d.members)
+        if now != streams:
+            if segs and segs[-1][0] == d.resume_step:
+                segs.pop()  # a recovery of the recovery: nothing ran with the streams in between
+            segs.append((d.resume_step, now))
+            streams = now
+    # A recovery after the last step (its vote counted) ran nothing with its streams.
+    return [sg for sg in segs if sg[0] < steps]
+
+
+def _replica_partners(t: Trial, world: int) -> set[int]:
+    return {r for v in t.victims for r in range(world) if r // t.tp == v // t.tp}
+
+
+def summarize(outcomes: list[Outcome]) -> str:
+    rows = [
+        ("kind", "trials", "ok", "hangs", "divergent", "false evictions", "exit != 0", "recovery median ms")
+    ]
+    for kind in [k for k in KINDS if any(o.kind == k for o in outcomes)] + ["all"]:
+        sel = [o for o in outcomes if kind in ("all", o.kind)]
+        rec = [ms for o in sel for ms in o.recovery_ms]
+        rows.append(
+            (
+                kind,
+                str(len(sel)),
+                str(sum(o.ok for o in sel)),
+                str(sum(o.hang for o in sel)),
+                str(sum(o.divergent for o in sel)),
+                str(sum(bool(o.false_evictions) for o in sel)),
+                str(sum(o.status not in (0, None) for o in sel)),
+                f"{statistics.median(rec):.0f}" if rec else "-",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="resilient-comm chaos",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[2:]),
+    )
+    p.add_argument("--trials", type=int, default=20, help="how many trials (default 20)")
+    p.add_argument("--seed", type=int, default=1, help="draws every fault's kind, rank, step and phase")
+    p.add_argument(
+        "--kinds", default=",".join(KINDS), help="comma-separated trial kinds (default: all, in turn)"
+    )
+    p.add_argument(
+        "--world", type=int, default=4, help="ranks per trial (default 4; tp2 needs an even number)"
+    )
+    p.add_argument("--steps", type=int, default=24, help="training steps per trial (default 24)")
+    p.add_argument(
+        "--timeout-s", type=float, default=120.0, help="a trial still running after this is a hang"
+    )
+    p.add_argument("--out", default=None, help="write every trial's outcome here (JSON)")
+    p.add_argument(
+        "--workdir", default=None, help="keep the trials' files here (default: a temporary directory)"
+    )
+    a = p.parse_args(argv)
+    kinds = [k for k in a.kinds.split(",") if k]
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        p.error(f"unknown kinds {bad} (kinds: {', '.join(KINDS)})")
+    if a.trials < 1 or a.world < 2 or a.steps < 10:
+        p.error("needs --trials >= 1, --world >= 2 and --steps >= 10")
+    if "tp2" in kinds and a.world % 2:
+        p.error("tp2 trials need an even --world")
+    rng = random.Random(a.seed)
+    trials = [draw(i, kinds[i % len(kinds)], rng, a.world, a.steps) for i in range(a.trials)]
+    with tempfile.TemporaryDirectory(prefix="rc-chaos-") as tmp:
+        root = a.workdir or tmp
+        os.makedirs(root, exist_ok=True)
+        print(
+            f"chaos: {a.trials} trials, seed {a.seed}, {a.world} ranks, {a.steps} steps; fault-free reference...",
+            flush=True,
+        )
+        ref = Reference(a.world, a.steps, os.path.join(root, "reference"), a.timeout_s)
+        outcomes = []
+        for t in trials:
+            o = run_trial(t, a.world, a.steps, os.path.join(root, f"trial-{t.index}"), a.timeout_s, ref)
+            outcomes.append(o)
+            rec = f"{max(o.recovery_ms):.0f} ms" if o.recovery_ms else "-"
+            print(
+                f"[{t.index + 1}/{a.trials}] {t.kind:18s} {' '.join(t.args):42s} "
+                f"{'ok' if o.ok else 'FAIL: ' + '; '.join(o.problems)} ({o.seconds:.1f} s, recovery {rec})",
+                flush=True,
+            )
+    print(summarize(outcomes))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(
+                {"seed": a.seed, "world": a.world, "steps": a.steps, "trials": [asdict(o) for o in outcomes]},
+                f,
+                indent=1,
+            )
+    return 0 if all(o.ok for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

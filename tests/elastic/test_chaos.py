@@ -1,0 +1,91 @@
+"""`resilient-comm chaos`: the short CI run of the seeded fault trials, and its checks failing
+where they must (a trial whose final state is not the reference's is divergent)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from resilient_comm.tools import chaos
+from resilient_comm.testing.harness import same_state
+
+
+@pytest.mark.timeout(240)
+def test_a_short_chaos_run_passes_every_check(tmp_path: Any) -> None:
+    out = tmp_path / "chaos.json"
+    proc = subprocess.run([sys.executable, "-m", "resilient_comm.tools.cli", "chaos", "--trials", "3", "--seed", "7",
+                           "--kinds", "kill-decider,spare,stop-long", "--steps", "16", "--out", str(out)],
+                          check=False, capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = proc.stdout.splitlines()[-5:]
+    assert table[0].split()[:3] == ["kind", "trials", "ok"] and table[-1].split()[:3] == ["all", "3", "3"], table
+    trials = json.loads(out.read_text())["trials"]
+    assert [t["kind"] for t in trials] == ["kill-decider", "spare", "stop-long"]
+    for t in trials:
+        assert t["ok"] and t["status"] == 0 and not t["hang"] and not t["false_evictions"], t
+        assert t["recovery_ms"], f"{t['kind']}: no recovery was timed"
+
+
+class _WrongReference:
+    """A reference whose final state is off by one bit of one weight (the segments it was
+    asked for are kept)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.asked = real, []
+
+    def final(self, segments: list[tuple[int, list[int]]]) -> Any:
+        self.asked.append(segments)
+        state = self.real.final(segments)
+        wrong = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state["model"].items()}
+        w = next(k for k, v in wrong.items() if isinstance(v, torch.Tensor) and v.is_floating_point())
+        wrong[w].view(-1)[0] = torch.nextafter(wrong[w].view(-1)[0], torch.tensor(float("inf"), dtype=wrong[w].dtype))
+        return {**state, "model": wrong}
+
+
+@pytest.mark.timeout(180)
+def test_a_trial_that_ends_away_from_the_reference_is_divergent(tmp_path: Any) -> None:
+    ref = chaos.Reference(4, 16, str(tmp_path / "ref"), 100.0)
+    t = chaos.draw(0, "kill", random.Random(3), 4, 16)
+    wrong = _WrongReference(ref)
+    bad = chaos.run_trial(t, 4, 16, str(tmp_path / "bad"), 100.0, wrong)  # type: ignore[arg-type]
+    assert not bad.ok and bad.divergent, bad
+    assert bad.problems == ["the final state differs from the fault-free reference"], bad.problems
+    # The same run against the true reference is not divergent: only the bit flipped made it so.
+    (segments,) = wrong.asked
+    finals = [torch.load(p, weights_only=False) for p in sorted((tmp_path / "bad" / "dump").glob("final-*.pt"))]
+    assert finals and all(same_state(f["state"], ref.final(segments)) for f in finals)
+
+
+@pytest.mark.timeout(180)
+def test_a_reference_segment_is_cached_by_where_it_ends_too(tmp_path: Any) -> None:
+    # Seen in a 200-trial run: one trial's segment (step 4, streams [0, 2]) to the end was
+    # reused by a later trial whose same segment ended at step 8, when another recovery began.
+    ref = chaos.Reference(3, 12, str(tmp_path / "ref"), 100.0)
+    ref.final([(4, [0, 2])])
+    two = [(4, [0, 2]), (8, [0])]
+    after = ref.final(two)
+    fresh = chaos.Reference.__new__(chaos.Reference)
+    fresh.__dict__.update(ref.__dict__, _cache={}, workdir=str(tmp_path / "ref"))
+    assert same_state(after, fresh.final(two))
+    assert not same_state(after, ref.final([(4, [0, 2])]))
+    with pytest.raises(ValueError, match="resumes at step 12"):
+        ref.final([(12, [0])])
+
+
+def test_draws_are_seeded_and_bad_arguments_are_refused(capsys: Any) -> None:
+    a = [chaos.draw(i, k, random.Random(5), 4, 24) for i, k in enumerate(chaos.KINDS)]
+    b = [chaos.draw(i, k, random.Random(5), 4, 24) for i, k in enumerate(chaos.KINDS)]
+    assert a == b
+    with pytest.raises(ValueError, match="unknown trial kind"):
+        chaos.draw(0, "meteor", random.Random(1), 4, 24)
+    for argv in (["--kinds", "kill,meteor"], ["--trials", "0"], ["--kinds", "tp2", "--world", "3"]):
+        with pytest.raises(SystemExit) as e:
+            chaos.main(argv)
+        assert e.value.code == 2
+    assert "unknown kinds ['meteor']" in capsys.readouterr().err
