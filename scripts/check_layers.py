@@ -29,45 +29,20 @@ from pathlib import Path
 # --- the arrows --------------------------------------------------------------------------------
 
 # C++: a folder under csrc/ -> the folders its files may include (besides its own).
+_BELOW_TRANSPORTS = {"common", "comm", "device", "watchdog"}
+_TRANSPORTS = {"transport/tcp", "transport/nccl", "transport/hccl"}
 CPP_ARROWS: dict[str, set[str]] = {
     "common": set(),
     "device": {"common"},
     "comm": {"common", "device"},
     "watchdog": {"common"},
     "transport/tcp": {"common", "comm"},
-    "transport/nccl": {"common", "comm", "device", "watchdog"},
-    "transport/hccl": {"common", "comm", "device", "watchdog"},
+    "transport/nccl": _BELOW_TRANSPORTS,
+    "transport/hccl": _BELOW_TRANSPORTS,
     # Test doubles of vendor libraries and devices; the NCCL emulator moves bytes over TCP.
-    "emulation": {
-        "common",
-        "comm",
-        "device",
-        "watchdog",
-        "transport/tcp",
-        "transport/nccl",
-        "transport/hccl",
-    },
-    "backend": {
-        "common",
-        "comm",
-        "device",
-        "watchdog",
-        "transport/tcp",
-        "transport/nccl",
-        "transport/hccl",
-        "emulation",
-    },
-    "python": {
-        "common",
-        "comm",
-        "device",
-        "watchdog",
-        "transport/tcp",
-        "transport/nccl",
-        "transport/hccl",
-        "emulation",
-        "backend",
-    },
+    "emulation": _BELOW_TRANSPORTS | _TRANSPORTS,
+    "backend": _BELOW_TRANSPORTS | _TRANSPORTS | {"emulation"},
+    "python": _BELOW_TRANSPORTS | _TRANSPORTS | {"emulation", "backend"},
 }
 
 # Python: a package prefix -> the prefixes its modules may import (besides their own part).
