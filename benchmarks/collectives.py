@@ -4,7 +4,8 @@ resilient_comm.tools.bench.collectives (same as `resilient-comm bench collective
 
     python benchmarks/collectives.py [--quick] [--world-sizes 2,4] [--max-bytes 64M] [--json PATH]
 
-See benchmarks/README.md for the methodology and the latest results.
+The latest table is in benchmarks/README.md; the method and older runs in
+benchmarks/results/collectives.md.
 """
 
 import sys

@@ -6,7 +6,7 @@
 // then starts a TCPStore server on port 0 and hands the children its port; the children run
 // the script of scenarios.h, write their measurements to the store and exit (one SIGKILLs
 // itself). The parent waits for them with a deadline, reads the results and drops the store
-// before the next repetition's fork. See benchmarks/README.md for the method and results;
+// before the next repetition's fork. Method and runs: benchmarks/results/primitives.md;
 // resilient_comm.tools.bench.primitives (`resilient-comm bench primitives`) builds and runs this.
 //
 //   rc_bench_primitives [--world-sizes 2,4,8,16] [--reps 20] [--json PATH]

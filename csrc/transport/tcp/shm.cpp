@@ -32,7 +32,7 @@ constexpr uint64_t kRingBudget = 64u << 20;
 // Published (and freed) in pieces of this size, so the other side starts copying while this
 // one goes on. Not less: a reader right behind the writer takes the lines out of the writer's
 // cache one by one, several times slower than from the shared cache (measured on a 2-vCPU
-// EPYC: 2 GB/s with 256 KiB pieces, 5-6 GB/s with 1 MiB; benchmarks/README.md).
+// EPYC: 2 GB/s with 256 KiB pieces, 5-6 GB/s with 1 MiB; benchmarks/results/collectives.md).
 constexpr size_t kChunk = 1024 * 1024;
 
 // A quarter of the ring at most, so that the writer fills one piece while the reader empties
