@@ -41,54 +41,22 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 from unittest import mock
 
+from resilient_comm.tools.bench.stores import (
+    CountingStore,
+    await_key,
+    boost_priority,
+    cpu_seconds,
+    etcd_cluster,
+    own_member_first,
+    rss_mb,
+    tcpstore,
+)
+
 KEY = "rc/bench"
-
-
-class CountingStore:
-    """A store client that counts its calls (every one is a round trip to the server)."""
-
-    def __init__(self, store: Any, counter: list[int]) -> None:
-        self._s, self.counter = store, counter
-
-    def clone(self) -> CountingStore:
-        return CountingStore(self._s.clone(), self.counter)
-
-    def __getattr__(self, name: str) -> Any:
-        fn = getattr(self._s, name)
-        if name == "set_timeout" or not callable(fn):  # (etcd's `answered_sent_at` is a value)
-            return fn
-
-        def call(*a: Any, **k: Any) -> Any:
-            self.counter[0] += 1
-            return fn(*a, **k)
-
-        return call
-
-
-def _serve(port_q: Any, stop: Any) -> None:
-    import torch.distributed as dist
-
-    store = dist.TCPStore(
-        "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=300), wait_for_workers=False
-    )
-    port_q.put((store.port, os.getpid()))
-    stop.wait()
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
 def _driver(
@@ -266,7 +234,7 @@ def _driver(
                     "ops": counter[0],
                     "seconds": time.monotonic() - measuring[0],
                     "gaps": gaps,
-                    "rss_mb": _rss_mb(),
+                    "rss_mb": rss_mb(),
                     "cpu_s": time.process_time() - measuring[2],
                 }
             )
@@ -274,17 +242,6 @@ def _driver(
         wait = min(due[0][0] - time.monotonic() if due else 0.01, 0.01)
         if wait > 0:
             time.sleep(wait)  # pacing the emulated workers' beats
-
-
-def own_member_first(spec: str, node: int) -> str:
-    """etcd: node `node`'s endpoints with member node % 3 first, as each node of a cluster
-    lists its own (or nearest) member first; every client on member 0 would have one member
-    answer every request while the others only replicate. A TCPStore's spec as it is."""
-    if not spec.startswith("etcd://"):
-        return spec
-    eps = spec.removeprefix("etcd://").split(",")
-    k = node % len(eps)
-    return "etcd://" + ",".join(eps[k:] + eps[:k])
 
 
 def _decider(spec: str, conn: Any) -> None:
@@ -428,83 +385,10 @@ def run_one(
                 stack.enter_context(mock.patch.dict(os.environ, {knob: str(lease_ms)}))
             spec, spids = stack.enter_context(etcd_cluster())
         else:
-            spec, spids = stack.enter_context(_tcpstore())
+            spec, spids = stack.enter_context(tcpstore())
         return _run_one(
             spec, spids, n_ranks, per_node, procs, seconds, baseline_max, hb_s, worker_hb_s, boost
         )
-
-
-@contextlib.contextmanager
-def _tcpstore() -> Iterator[tuple[str, list[int]]]:
-    """A TCPStore in a process of its own: its address and pid."""
-    ctx = mp.get_context("spawn")
-    port_q, stop = ctx.Queue(), ctx.Event()
-    server = ctx.Process(target=_serve, args=(port_q, stop), daemon=True)
-    server.start()
-    port, spid = port_q.get(timeout=60)
-    try:
-        yield f"127.0.0.1:{port}", [spid]
-    finally:
-        stop.set()
-        server.join(10)
-
-
-@contextlib.contextmanager
-def etcd_cluster(members: int = 3) -> Iterator[tuple[str, list[int]]]:
-    """A 3-member etcd cluster on loopback (Debian's etcd-server): its spec and pids."""
-    import shutil
-    import subprocess
-    import tempfile
-
-    from resilient_comm.testing.cluster import etcd_command, wait_etcd
-
-    if shutil.which("etcd") is None:
-        raise SystemExit("control-plane --store etcd needs the etcd binary (Debian: apt install etcd-server)")
-    ports = {i: ("127.0.0.1", 23790 + i, 23800 + i) for i in range(members)}
-    with tempfile.TemporaryDirectory(prefix="rc-bench-etcd-") as d:
-        ps = [
-            subprocess.Popen(
-                etcd_command(i, ports, d, "rc-bench"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-            )
-            for i in ports
-        ]
-        try:
-            endpoints = ",".join(f"{h}:{c}" for h, c, _ in ports.values())
-            wait_etcd(endpoints, 60)
-            yield f"etcd://{endpoints}", [p.pid for p in ps]
-        finally:
-            for p in ps:
-                p.kill()
-                p.wait()
-
-
-def _await(client: Any, key: str, limit_s: float) -> bytes:
-    """The value of `key` once it is written, within `limit_s`. A store too loaded to answer
-    the harness's own call for its retry budget (etcd at 16K emulated ranks: 10 s without an
-    answer) is asked again: that is the emulation's load on the harness, not the decision."""
-    import torch.distributed as dist
-
-    end = time.monotonic() + limit_s
-    while True:
-        try:
-            client.wait([key], datetime.timedelta(seconds=max(1.0, end - time.monotonic())))
-            return client.get(key)
-        except dist.DistNetworkError as e:
-            if time.monotonic() >= end:
-                raise
-            _progress(f"the harness's wait for {key} got no answer ({e}): asking again")
-
-
-def _boost(pids: list[int]) -> bool:
-    """Raise the store's and the decider's CPU priority over the emulated agents' (nice -10;
-    root only). On a cluster the store has its hosts and the decider its node; here 2,048
-    emulated agents would take their CPU (the agents' own load is what is measured)."""
-    try:
-        for pid in pids:
-            os.setpriority(os.PRIO_PROCESS, pid, -10)
-        return True
-    except PermissionError:
-        return False
 
 
 def _run_one(
@@ -529,7 +413,7 @@ def _run_one(
     to_decider, decider_end = ctx.Pipe()
     decider = ctx.Process(target=_decider, args=(spec, decider_end), daemon=True)
     decider.start()
-    boosted = boost and _boost([*spids, cast(int, decider.pid)])
+    boosted = boost and boost_priority([*spids, cast(int, decider.pid)])
     pipes, drivers = [], []
     for i, nodes in enumerate(owners):
         parent, child = ctx.Pipe()
@@ -587,7 +471,7 @@ def _run_one(
             t0 = _ask(pipes[owner[node]], (cmd, node * per_node + 3 if cmd == "exit" else node))
             # (A silent node is found at its lease's expiry: up to 4/3 of the lease on etcd.)
             limit_s = 60 + (4 / 3 * node_lease_s() if etcd and cmd == "silence" else 0)
-            times = json.loads(_await(client, f"{KEY}/published/{epoch}", limit_s))
+            times = json.loads(await_key(client, f"{KEY}/published/{epoch}", limit_s, _progress))
             deadline = time.monotonic() + 30
             while True:  # every live agent has the decision's event
                 got: list[tuple[int, str, int, float]] = []

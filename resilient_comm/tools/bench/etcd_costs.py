@@ -38,7 +38,7 @@ import threading
 import time
 from typing import Any, cast
 
-from resilient_comm.tools.bench.control_plane import cpu_seconds, etcd_cluster, own_member_first
+from resilient_comm.tools.bench.stores import cpu_seconds, etcd_cluster, own_member_first
 
 KINDS = ("put", "txn-1", "txn-8", "txn-batch", "get", "keepalive", "fan-out")
 THREADS = 8
