@@ -41,7 +41,9 @@ CPP_ARROWS: dict[str, set[str]] = {
     "transport/hccl": _BELOW_TRANSPORTS,
     # Test doubles of vendor libraries and devices; the NCCL emulator moves bytes over TCP.
     "emulation": _BELOW_TRANSPORTS | _TRANSPORTS,
-    "backend": _BELOW_TRANSPORTS | _TRANSPORTS | {"emulation"},
+    # The backend names no vendor library: it finds device transports in comm's registry; the
+    # host transport (TCP) is its own.
+    "backend": _BELOW_TRANSPORTS | {"transport/tcp"},
     "python": _BELOW_TRANSPORTS | _TRANSPORTS | {"emulation", "backend"},
 }
 

@@ -1,4 +1,5 @@
-// ResilientBackend's communicators: the device one, made on first use for the tensors' device,
+// ResilientBackend's communicators: the device one, made on first use for the tensors' device
+// by the device transport registered for it (comm/device_transport.h),
 // and the moves that make a child group (shrink, split, grow, and a joiner's side of a grow),
 // each taking the group's device communicator along. The queue, the device launch, the worker
 // and the group's lifecycle are in resilient_backend.cpp; the collectives in backend_ops.cpp.
@@ -10,15 +11,21 @@
 #include "backend/tensor_args.h"
 #include "comm/store_util.h"
 #include "common/check.h"
-#include "emulation/device/emulated_device.h"
-#include "transport/hccl/hccl_communicator.h"
-#include "emulation/nccl/nccl_emulator.h"
-#include "transport/nccl/nccl_communicator.h"
+#include "comm/device_transport.h"
 #include "transport/tcp/tcp_communicator.h"
 
 namespace resilient_comm {
 
 using c10d::OpType;
+
+namespace {
+
+std::string lowered(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return s;
+}
+
+}  // namespace
 
 std::shared_ptr<Communicator> ResilientBackend::commFor(const std::vector<at::Tensor>& tensors, const char* op) {
   checkConfigured(op);
@@ -31,14 +38,11 @@ std::shared_ptr<Communicator> ResilientBackend::commFor(const std::vector<at::Te
 
 std::shared_ptr<Communicator> ResilientBackend::deviceCommFor(const at::Device& dev, const char* op) {
   OpSite site{opts_.backendName, opts_.groupName, rank_, op};
-  const bool cuda = (dev.is_cuda() || (dev.is_cpu() && emulate_)) && opts_.backendName == "resilient_nccl";
-  const bool npu = dev.type() == c10::DeviceType::PrivateUse1 && opts_.backendName == "resilient_hccl";
-  if (!cuda && !npu) {
-    const char* carries = opts_.backendName == "resilient_nccl"   ? "CPU and CUDA"
-                          : opts_.backendName == "resilient_hccl" ? "CPU and NPU"
-                                                                  : "CPU";
+  std::shared_ptr<const DeviceTransport> transport = DeviceTransports::find(opts_.backendName, dev.type());
+  if (!transport) {
     C10_THROW_ERROR(ValueError, site.prefix() + "tensors on " + dev.str() + " are not supported; " +
-                                    opts_.backendName + " carries " + carries + " tensors");
+                                    opts_.backendName + " carries " + DeviceTransports::carried(opts_.backendName) +
+                                    " tensors");
   }
   auto existing = [&]() -> std::shared_ptr<Communicator> {
     if (device_ && dev != deviceOf_) {
@@ -56,20 +60,18 @@ std::shared_ptr<Communicator> ResilientBackend::deviceCommFor(const at::Device& 
     reconfigured = !configTag_.empty();
   }
   // After torch's reconfigure the members share handles, not necessarily a store: they agree
-  // on NCCL's bootstrap id (HCCL's root info) over the host communicator (outside the lock: it
-  // queues a host op).
+  // on the bootstrap id (NCCL's unique id, HCCL's root info) over the host communicator
+  // (outside the lock: it queues a host op).
   DeviceBootstrap how;
   if (reconfigured) {
-    how = bootstrapOverHost(dev, site, npu);
+    how = bootstrapOverHost(*transport, dev, site);
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (auto d = existing()) {
     return d;  // another thread made it meanwhile
   }
-  Result<std::shared_ptr<Communicator>> made =
-      npu ? makeHccl(dev, std::move(how.id))
-          : (reconfigured ? makeNcclAfterReconfigure(dev, std::move(how)) : makeNccl(dev));
-  if (growFrom_) {  // not grown (HCCL, or rank 0 built afresh): done with it
+  Result<std::shared_ptr<Communicator>> made = makeDevice(*transport, dev, std::move(how));
+  if (growFrom_) {  // not grown (a library without growth, or rank 0 built afresh): done with it
     abortComm(growFrom_, "superseded by a device communicator made afresh");
   }
   growFrom_.reset();
@@ -82,51 +84,34 @@ std::shared_ptr<Communicator> ResilientBackend::deviceCommFor(const at::Device& 
   return device_;
 }
 
-ResilientBackend::DeviceBootstrap ResilientBackend::bootstrapOverHost(const at::Device& dev, const OpSite& site,
-                                                                     bool hccl) {
+ResilientBackend::DeviceBootstrap ResilientBackend::bootstrapOverHost(const DeviceTransport& t, const at::Device& dev,
+                                                                     const OpSite& site) {
   // Rank 0's verdict (1: ok; then 1: grow, 0: afresh) and the id, broadcast from rank 0, queued
   // like any host op: every member takes it at the same point of its program (its first
-  // device op). On a grow rank 0 is an old member: the id is its communicator's grow id. HCCL
-  // has no grow: its root info makes a fresh world.
-  const char* library = hccl ? "HCCL" : "NCCL";
-  const size_t idBytes = hccl ? hccl::kHcclRootInfoBytes : sizeof(nccl::ncclUniqueId);
-  auto buf = std::make_shared<std::vector<uint8_t>>(2 + idBytes, 0);
+  // device op). On a grow rank 0 is an old member: the id is its communicator's grow id where
+  // the library grows one in place; elsewhere a fresh id makes a fresh world.
+  auto buf = std::make_shared<std::vector<uint8_t>>(2 + t.idBytes, 0);
   std::string why;
-  if (rank_ == 0 && hccl) {
-    Result<std::vector<uint8_t>> root = hccl::makeRootInfo();
-    if (root.isOk() && root.value().size() == idBytes) {
-      std::copy(root.value().begin(), root.value().end(), buf->begin() + 2);
-      (*buf)[0] = 1;
-    }
-    why = root.status().message();
-  } else if (rank_ == 0) {
-    std::shared_ptr<nccl::NcclCommunicator> from;
+  if (rank_ == 0) {
+    std::shared_ptr<Communicator> from;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (grownFrom_ > 0 && deviceOf_ == dev) {
-        from = std::dynamic_pointer_cast<nccl::NcclCommunicator>(growFrom_);
+        from = growFrom_;
       }
     }
-    Status st;
-    if (from && from->nativeGrow()) {
-      Result<std::vector<uint8_t>> id = from->growId(Deadline::after(timeout_));
-      st = id.status();
-      if (id.isOk() && id.value().size() == sizeof(nccl::ncclUniqueId)) {
-        std::copy(id.value().begin(), id.value().end(), buf->begin() + 2);
-        (*buf)[1] = 1;
-      }
-    } else {
-      Result<NcclRuntime> rt = ncclRuntime(dev);
-      nccl::ncclResult_t r = rt.isOk() ? rt.value().api->getUniqueId(
-                                             reinterpret_cast<nccl::ncclUniqueId*>(buf->data() + 2))
-                                       : nccl::ncclInternalError;
-      st = !rt.isOk() ? rt.status()
-           : r == nccl::ncclSuccess
-               ? Status::ok()
-               : Status(StatusCode::kInternal, "ncclGetUniqueId failed (" + std::to_string(static_cast<int>(r)) + ")");
+    const bool grow = t.growth && from && t.growth->native(*from);
+    Result<std::vector<uint8_t>> id = grow ? t.growth->id(*from, Deadline::after(timeout_)) : t.makeId(dev);
+    if (id.isOk() && id.value().size() == t.idBytes) {
+      std::copy(id.value().begin(), id.value().end(), buf->begin() + 2);
+      (*buf)[0] = 1;
+      (*buf)[1] = grow ? 1 : 0;
+    } else if (id.isOk()) {
+      why = "it has " + std::to_string(id.value().size()) + " bytes, not " + std::to_string(t.idBytes);
     }
-    (*buf)[0] = st.isOk() ? 1 : 0;
-    why = st.message();
+    if (!id.isOk()) {
+      why = id.status().message();
+    }
   }
   auto work = enqueue(cpuComm(), OpType::BROADCAST, "device bootstrap", {}, timeout_, /*mayRunInline=*/true,
                       [buf](Communicator& c, const Deadline& dl) {
@@ -134,26 +119,33 @@ ResilientBackend::DeviceBootstrap ResilientBackend::bootstrapOverHost(const at::
                       });
   work->wait(kNoTimeout);  // raises the host op's typed error
   if ((*buf)[0] != 1) {
-    C10_THROW_ERROR(ValueError, site.prefix() + "rank 0 could not make the " + library + " bootstrap id" +
+    C10_THROW_ERROR(ValueError, site.prefix() + "rank 0 could not make the " + t.library + " bootstrap id" +
                                     (why.empty() ? std::string() : ": " + why));
   }
   return DeviceBootstrap{(*buf)[1] == 1, std::vector<uint8_t>(buf->begin() + 2, buf->end())};
 }
 
+std::string ResilientBackend::devicePrefix(const DeviceTransport& t) const {
+  return "resilient_comm_" + lowered(t.library) + "/" + opts_.groupName + "/" + configTag_;
+}
+
 // Called with mu_ held.
-Result<std::shared_ptr<Communicator>> ResilientBackend::makeNcclAfterReconfigure(const at::Device& dev,
-                                                                                DeviceBootstrap how) {
+Result<std::shared_ptr<Communicator>> ResilientBackend::makeDevice(const DeviceTransport& t, const at::Device& dev,
+                                                                   DeviceBootstrap how) {
+  DeviceCommSpec spec{opts_.groupName, store_, devicePrefix(t), rank_, size_, dev, std::move(how.id)};
+  const Deadline dl = Deadline::after(timeout_);
   if (!how.grow) {
-    return makeNccl(dev, std::move(how.id));
+    return t.create(std::move(spec), dl);
   }
-  const std::string prefix = "resilient_comm_nccl/" + opts_.groupName + "/" + configTag_;
+  if (!t.growth) {
+    return Status(StatusCode::kInternal, "rank 0 grows the device communicator, and " + t.library + " has no grow");
+  }
   if (rank_ < grownFrom_) {  // an old member: its communicator grows
-    auto from = std::dynamic_pointer_cast<nccl::NcclCommunicator>(growFrom_);
-    if (!from || deviceOf_ != dev) {
+    if (!growFrom_ || deviceOf_ != dev) {
       return Status(StatusCode::kInternal, "rank 0 grows the device communicator, and this old member has none on " +
                                                dev.str() + " to grow");
     }
-    Result<std::shared_ptr<Communicator>> grown = from->growWithId(size_, how.id, prefix, store_, Deadline::after(timeout_));
+    Result<std::shared_ptr<Communicator>> grown = t.growth->withId(*growFrom_, std::move(spec), dl);
     if (grown.isOk()) {
       lastPlan_ += ",device:grow";
     }
@@ -162,42 +154,11 @@ Result<std::shared_ptr<Communicator>> ResilientBackend::makeNcclAfterReconfigure
     growFrom_.reset();
     return grown;
   }
-  NcclRuntime rt;  // a newcomer: it joins the grow
-  RC_ASSIGN_OR_RETURN(rt, ncclRuntime(dev));
-  nccl::NcclOptions o{opts_.groupName, store_, prefix, rank_, size_, std::move(how.id)};
-  std::shared_ptr<nccl::NcclCommunicator> comm;
-  RC_ASSIGN_OR_RETURN(comm, nccl::NcclCommunicator::join(rt.api, rt.streams, std::move(o), Deadline::after(timeout_)));
-  lastPlan_ += ",device:grow";
-  return std::shared_ptr<Communicator>(comm);
-}
-
-Result<ResilientBackend::NcclRuntime> ResilientBackend::ncclRuntime(const at::Device& dev) {
-  NcclRuntime rt;
-  if (dev.is_cpu()) {  // emulating: CPU tensors on the NCCL code path
-    rt.api = nccl::processEmulator();
-    rt.streams = device::emu::makeEmulatedStreamOps(0);
-  } else {
-    RC_ASSIGN_OR_RETURN(rt.api, nccl::loadNccl({}));
-    RC_ASSIGN_OR_RETURN(rt.streams, device::makeDeviceStreamOps("cuda", dev.index()));
+  Result<std::shared_ptr<Communicator>> joined = t.growth->join(std::move(spec), dl);  // a newcomer
+  if (joined.isOk()) {
+    lastPlan_ += ",device:grow";
   }
-  return rt;
-}
-
-Result<std::shared_ptr<Communicator>> ResilientBackend::makeNccl(const at::Device& dev, std::vector<uint8_t> id) {
-  NcclRuntime rt;
-  RC_ASSIGN_OR_RETURN(rt, ncclRuntime(dev));
-  nccl::NcclOptions o{opts_.groupName, store_, "resilient_comm_nccl/" + opts_.groupName + "/" + configTag_, rank_,
-                      size_, std::move(id)};
-  std::shared_ptr<nccl::NcclCommunicator> comm;
-  RC_ASSIGN_OR_RETURN(comm, nccl::NcclCommunicator::create(rt.api, rt.streams, std::move(o), Deadline::after(timeout_)));
-  return std::shared_ptr<Communicator>(comm);
-}
-
-Result<std::shared_ptr<Communicator>> ResilientBackend::makeHccl(const at::Device& dev, std::vector<uint8_t> rootInfo) {
-  // After a reconfigure its bootstrap keys are the configuration's (configTag_), as NCCL's.
-  const std::string name = configTag_.empty() ? opts_.groupName : opts_.groupName + "/" + configTag_.substr(0, configTag_.size() - 1);
-  return hccl::createHcclCommunicator(store_, name, rank_, size_, Deadline::after(timeout_), dev.index(),
-                                      std::move(rootInfo));
+  return joined;
 }
 
 c10::intrusive_ptr<ResilientBackend> ResilientBackend::join(const c10::intrusive_ptr<c10d::Store>& store,
@@ -228,38 +189,48 @@ c10::intrusive_ptr<ResilientBackend> ResilientBackend::join(const c10::intrusive
   const std::string& value = said.value()[0];
   const size_t space = value.find(' ');
   const std::string backendName = value.substr(0, space);
-  const std::string kind = space == std::string::npos ? "" : value.substr(space + 1);
-  if ((backendName != "resilient_nccl" && backendName != "resilient_tcp" && backendName != "resilient_hccl") ||
-      (kind != "nccl" && kind != "none")) {
+  const std::string grows = space == std::string::npos ? "" : value.substr(space + 1);
+  if ((backendName != "resilient_tcp" && !DeviceTransports::serves(backendName)) || grows.empty()) {
     comm->abort("join: malformed store value");
     C10_THROW_ERROR(ValueError, "join of '" + opts.groupName + "': store key '" + joinKey + kGrowDeviceKey +
-                                    "' holds '" + value + "', not '<backend> nccl|none' (a stray writer?)");
+                                    "' holds '" + value + "', not '<backend> <library>|none' (a stray writer?)");
   }
   opts.backendName = backendName;
   auto joined = c10::make_intrusive<ResilientBackend>(std::move(comm), std::move(opts));
   joined->store_ = store;  // a device communicator made later bootstraps through it
-  if (kind == "nccl") {  // the members grow their NCCL communicator: join it
+  if (grows != "none") {  // the members grow their device communicator: join it
+    auto refuse = [&](const std::string& why) {
+      joined->cpu_->abort("join: " + why);
+      C10_THROW_ERROR(ValueError, "join of '" + joined->opts_.groupName + "': " + why);
+    };
     at::Device dev = at::kCPU;
-    if (!joined->emulate_) {
-      if (!device || !device->is_cuda()) {
-        joined->cpu_->abort("join: no CUDA device");
-        C10_THROW_ERROR(ValueError, "join of '" + joined->opts_.groupName + "': the members' group carries CUDA "
-                                    "tensors, so the joiner must name its CUDA device (device=" +
-                                    (device ? device->str() : std::string("None")) + ")");
+    std::shared_ptr<const DeviceTransport> t;
+    if (joined->emulate_) {
+      t = DeviceTransports::find(backendName, c10::DeviceType::CPU);
+    } else {
+      // The members' library names the device type: the entry of this backend that grows with it.
+      for (c10::DeviceType type : {c10::DeviceType::CUDA, c10::DeviceType::PrivateUse1}) {
+        auto found = DeviceTransports::find(backendName, type);
+        if (found && found->growth && lowered(found->library) == grows) {
+          t = found;
+        }
       }
-      dev = *device;
+      if (t && (!device || device->type() != t->deviceType)) {
+        refuse("the members' group carries " + t->deviceName + " tensors, so the joiner must name its " +
+               t->deviceName + " device (device=" + (device ? device->str() : std::string("None")) + ")");
+      }
+      if (t) {
+        dev = *device;
+      }
     }
-    auto made = [&]() -> Result<std::shared_ptr<Communicator>> {
-      NcclRuntime rt;
-      RC_ASSIGN_OR_RETURN(rt, ncclRuntime(dev));
-      nccl::NcclOptions o{joined->opts_.groupName, store, joinKey + kGrowNcclPrefix, rank, newSize};
-      std::shared_ptr<nccl::NcclCommunicator> c;
-      RC_ASSIGN_OR_RETURN(c, nccl::NcclCommunicator::join(rt.api, rt.streams, std::move(o), dl));
-      return std::shared_ptr<Communicator>(c);
-    }();
+    if (!t || !t->growth || lowered(t->library) != grows) {
+      refuse("the members grow a '" + grows + "' device communicator, which " + backendName +
+             " has no growing transport for here");
+    }
+    DeviceCommSpec spec{joined->opts_.groupName, store, joinKey + kGrowDevicePrefix, rank, newSize, dev, {}};
+    Result<std::shared_ptr<Communicator>> made = t->growth->join(std::move(spec), dl);
     if (!made.isOk()) {
-      joined->cpu_->abort("join: " + made.status().message());
-      C10_THROW_ERROR(ValueError, "join of '" + joined->opts_.groupName + "': " + made.status().message());
+      refuse(made.status().message());
     }
     std::lock_guard<std::mutex> lock(joined->mu_);
     joined->device_ = made.take();
@@ -365,17 +336,19 @@ c10::intrusive_ptr<ResilientBackend> ResilientBackend::grow(int newSize, const c
   auto child = adopt(cpuComm()->grow(newSize, store, joinKey, dl), "grow", kGrownPrefix + joinKey);
   child->store_ = store;  // the joiners know this store, not the one the group was made with
   auto [device, dev] = deviceSnapshot();
-  // An NCCL communicator grows with the group (ncclCommGrow, or a fresh init where the library
-  // has none); an HCCL one is left behind and the grown group makes one on first use.
-  const bool nccl = device && dev.type() != c10::DeviceType::PrivateUse1;
+  // A device communicator whose transport grows (NCCL: ncclCommGrow, or a fresh init where the
+  // library has none) grows with the group; another (HCCL) is left behind and the grown group
+  // makes one on first use.
+  std::shared_ptr<const DeviceTransport> t = device ? DeviceTransports::find(opts_.backendName, dev.type()) : nullptr;
+  const bool grows = t && t->growth;
   if (rank_ == 0) {
-    Status st = storeSet(store, joinKey + kGrowDeviceKey, opts_.backendName + (nccl ? " nccl" : " none"));
+    Status st = storeSet(store, joinKey + kGrowDeviceKey, opts_.backendName + " " + (grows ? lowered(t->library) : "none"));
     if (!st.isOk()) {
       throwMoveError("grow", st);
     }
   }
-  if (nccl) {
-    handDevice(child.get(), device->grow(newSize, store, joinKey + kGrowNcclPrefix, dl), dev, "grow");
+  if (grows) {
+    handDevice(child.get(), device->grow(newSize, store, joinKey + kGrowDevicePrefix, dl), dev, "grow");
   }
   return child;
 }

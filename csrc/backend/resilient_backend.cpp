@@ -12,7 +12,7 @@
 
 #include "backend/tensor_args.h"
 #include "common/check.h"
-#include "emulation/nccl/nccl_emulator.h"
+#include "comm/device_transport.h"
 #include "transport/tcp/tcp_communicator.h"
 #include "backend/unconfigured.h"
 #include "watchdog/reaper.h"
@@ -29,8 +29,9 @@ void abortCommNoWait(const std::shared_ptr<Communicator>& comm, const std::strin
   Reaper::start([comm, why] { comm->abort(why); }, Reaper::abortBound(), "abort of group '" + comm->name() + "'");
 }
 
+// Whether a device transport carries `backendName`'s CPU tensors (the NCCL emulator, when asked).
 bool emulating(const std::string& backendName) {
-  return backendName == "resilient_nccl" && nccl::emulationRequested();
+  return DeviceTransports::find(backendName, c10::DeviceType::CPU) != nullptr;
 }
 
 // The devices a device op's Future records its events on: none for host tensors.

@@ -1,4 +1,7 @@
-// ResilientBackend: the c10d::Backend behind "resilient_tcp" and "resilient_nccl".
+// ResilientBackend: the c10d::Backend behind "resilient_tcp", "resilient_nccl" and
+// "resilient_hccl". The host communicator is the TCP transport's; the device communicator comes
+// from the device transport registered for the backend's name and the tensors' device type
+// (comm/device_transport.h): this file names no vendor library.
 //
 // Every collective torch dispatches is checked here (tensor lists, dtypes, devices,
 // contiguity, reduction ops) and then run with a deadline of the op's timeout measured from
@@ -6,16 +9,16 @@
 // - on a host communicator (TCP), queued in call order on this backend's worker thread; a
 //   synchronous op (async_op=False) on an idle group runs on the calling thread instead (same
 //   order, two thread hand-offs fewer). The Work completes when the op does.
-// - on a device communicator (NCCL), launched on the calling thread, async ops included, as
+// - on a device communicator (NCCL, HCCL), launched on the calling thread, async ops included, as
 //   ProcessGroupNCCL does: the op follows the caller's current stream at the call and is in
 //   flight when the Work is returned (resilient_work.h); several may be in flight.
 // A Work's error is the communicator's Status turned into a CommException (see comm_error.h).
 // Ops issued between startCoalescing() and endCoalescing() (batch_isend_irecv) run together
 // at the end: as one NCCL group on a device, as one send/recv group on the worker.
 //
-// With RESILIENT_COMM_NCCL_EMULATE=1, resilient_nccl sends CPU tensors through its NCCL
-// communicator on the NCCL emulator (csrc/emulation/nccl) instead of TCP, so the whole
-// stack runs on the NCCL code path without a GPU.
+// With RESILIENT_COMM_NCCL_EMULATE=1 a device transport is registered for resilient_nccl's CPU
+// tensors (the NCCL emulator, csrc/emulation/nccl): they go through an NCCL communicator
+// instead of TCP, so the whole stack runs on the NCCL code path without a GPU.
 //
 // Threads: any Python thread may issue ops (host ops are serialised by the queue, device ops by
 // the calling threads, as with ProcessGroupNCCL); abort() may be called from any thread and
@@ -46,12 +49,7 @@ namespace resilient_comm {
 
 struct OpSite;  // backend/tensor_args.h
 
-namespace nccl {
-class NcclApi;
-}
-namespace device {
-class StreamOps;
-}
+struct DeviceTransport;  // comm/device_transport.h
 namespace tcp {
 class Listener;
 class TcpCommunicator;
@@ -59,13 +57,14 @@ class TcpCommunicator;
 
 // A grown group's name: kGrownPrefix + the join key, on members and joiners alike.
 inline constexpr const char* kGrownPrefix = "grown:";
-// Under the join key: what the members' rank 0 says about the group ("<backend> nccl|none"),
-// and the prefix of the grown NCCL communicator's bootstrap keys.
+// Under the join key: what the members' rank 0 says about the group ("<backend> <library>" where
+// its device communicator grows with it, "<backend> none" where not), and the prefix of the
+// grown device communicator's bootstrap keys.
 inline constexpr const char* kGrowDeviceKey = "device";
-inline constexpr const char* kGrowNcclPrefix = "nccl/";
+inline constexpr const char* kGrowDevicePrefix = "device/";
 
 struct BackendOptions {
-  std::string backendName;  // "resilient_tcp" or "resilient_nccl"
+  std::string backendName;  // "resilient_tcp", "resilient_nccl", "resilient_hccl"
   std::string groupName;
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};
   // torch's init_process_group(..., enable_reconfigure=True): the group connects nothing until
@@ -252,31 +251,26 @@ class ResilientBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> enqueue(std::shared_ptr<Communicator> comm, c10d::OpType type, const char* opName,
                                          std::vector<at::Tensor> outputs, std::chrono::milliseconds timeout,
                                          bool mayRunInline, Body body);
-  // The communicator for these tensors' device: TCP for CPU tensors; for CUDA tensors
-  // (resilient_nccl) an NCCL communicator, for NPU tensors (resilient_hccl) an HCCL one,
-  // made on first use for that device.
+  // The communicator for these tensors' device: TCP for CPU tensors; for device tensors the
+  // device communicator (deviceCommFor).
   std::shared_ptr<Communicator> commFor(const std::vector<at::Tensor>& tensors, const char* op);
-  // The device communicator for `dev`, made on first use (for CPU tensors when emulating).
+  // The device communicator for `dev` (for CPU tensors when emulating), made on first use by
+  // the device transport registered for this backend and that device type
+  // (comm/device_transport.h).
   std::shared_ptr<Communicator> deviceCommFor(const at::Device& dev, const char* op);
-  struct NcclRuntime {
-    std::shared_ptr<nccl::NcclApi> api;
-    std::shared_ptr<device::StreamOps> streams;
-  };
-  // The NCCL library (the emulator for a CPU device) and the device's streams.
-  static Result<NcclRuntime> ncclRuntime(const at::Device& dev);
-  // `id`: the bootstrap id the members agreed on already (bootstrapIdOverHost); empty: through
-  // the store.
-  Result<std::shared_ptr<Communicator>> makeNccl(const at::Device& dev, std::vector<uint8_t> id = {});
   // After a reconfigure, how the members make their device communicator, as rank 0 says over
   // the host communicator: grow the old one (its newcomers joining) or build afresh, and the id.
   struct DeviceBootstrap {
     bool grow = false;
     std::vector<uint8_t> id;
   };
-  DeviceBootstrap bootstrapOverHost(const at::Device& dev, const OpSite& site, bool hccl);
-  Result<std::shared_ptr<Communicator>> makeNcclAfterReconfigure(const at::Device& dev, DeviceBootstrap how);
-  // `rootInfo`: handed over after a reconfigure (empty: through the store).
-  Result<std::shared_ptr<Communicator>> makeHccl(const at::Device& dev, std::vector<uint8_t> rootInfo);
+  DeviceBootstrap bootstrapOverHost(const DeviceTransport& t, const at::Device& dev, const OpSite& site);
+  // Called with mu_ held. `how`: what bootstrapOverHost agreed (nothing before any reconfigure:
+  // the id goes through the store).
+  Result<std::shared_ptr<Communicator>> makeDevice(const DeviceTransport& t, const at::Device& dev,
+                                                   DeviceBootstrap how);
+  // The device communicator's bootstrap keys in this configuration.
+  std::string devicePrefix(const DeviceTransport& t) const;
   void workerLoop();
 
   // A child backend named `name` over `r`, or the error of the move as an exception.
@@ -321,9 +315,10 @@ class ResilientBackend : public c10d::Backend {
   // reconfigure, then "u<uuid>/"): every member of a reconfigure has the same; guarded by mu_.
   std::string configTag_;
   std::string lastPlan_;  // guarded by mu_ (a fallback sets it from the worker)
-  c10::intrusive_ptr<c10d::Store> store_;  // for the NCCL communicator's bootstrap
+  c10::intrusive_ptr<c10d::Store> store_;  // for the device communicator's bootstrap
   // The device communicator (NCCL for resilient_nccl's CUDA tensors, HCCL for
-  // resilient_hccl's NPU tensors), made on first use; guarded by mu_.
+  // resilient_hccl's NPU tensors: whichever device transport is registered), made on first
+  // use; guarded by mu_.
   std::shared_ptr<Communicator> device_;
   // After a reconfigure that grew the group: the old device communicator, grown at the first
   // device op (deviceCommFor), and the old size (the newcomers' ranks start there; 0: no grow).
@@ -380,7 +375,7 @@ class ResilientBackend : public c10d::Backend {
   int p2pWake_ = -1;            // eventfd: wakes the running group for p2pJoin_
   uint64_t enqueued_ = 0;
   std::thread worker_;
-  bool emulate_ = false;  // RESILIENT_COMM_NCCL_EMULATE=1 on resilient_nccl
+  bool emulate_ = false;  // a device transport carries this backend's CPU tensors (the NCCL emulator)
   bool coalescing_ = false;                  // between startCoalescing and endCoalescing; guarded by mu_
   std::vector<Task> coalescedHost_;          // guarded by mu_
   std::vector<DeviceOp> coalescedDevice_;    // guarded by mu_

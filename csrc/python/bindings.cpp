@@ -10,11 +10,14 @@
 #include "watchdog/watchdog.h"
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
-#include "transport/hccl/hccl_api.h"
+#include "comm/device_transport.h"
 #include "emulation/device/scripted_streams.h"
 #include "emulation/nccl/nccl_emulator.h"
+#include "transport/hccl/hccl_api.h"
+#include "transport/hccl/hccl_communicator.h"
 #include "transport/nccl/nccl_api.h"
 #include "transport/nccl/nccl_communicator.h"
+#include "transport/nccl/nccl_transport.h"
 #include "transport/tcp/tcp_communicator.h"
 
 namespace py = pybind11;
@@ -79,9 +82,20 @@ py::object toPython(const resilient_comm::CommErrorInfo& info) {
 
 }  // namespace
 
+// The composition root: which library carries which backend's device tensors. The backend
+// finds them here by name and device type and names none of them itself.
+void registerDeviceTransports() {
+  using resilient_comm::DeviceTransports;
+  namespace nccl = resilient_comm::nccl;
+  DeviceTransports::add(nccl::ncclTransport("resilient_nccl", c10::DeviceType::CUDA, "CUDA", nccl::cudaRuntime));
+  DeviceTransports::add(nccl::emulatedNcclTransport("resilient_nccl"));  // RESILIENT_COMM_NCCL_EMULATE=1
+  DeviceTransports::add(resilient_comm::hccl::hcclTransport("resilient_hccl"));
+}
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "resilient_comm native core";
   py::module_::import("torch.distributed");
+  registerDeviceTransports();
 
   // Torch's bindings (Work.wait, futures) rethrow our CommException; translators are shared
   // with torch's pybind11 and tried newest first, so this one turns it into the matching
@@ -173,6 +187,22 @@ PYBIND11_MODULE(_C, m) {
       py::arg("timeout_seconds"), py::arg("group_name"), py::arg("device") = py::none(),
       py::call_guard<py::gil_scoped_release>());
 
+  m.def(
+      "device_transports",
+      [] {
+        py::list out;
+        for (const auto& t : resilient_comm::DeviceTransports::all()) {
+          py::dict d;
+          d["backend"] = t->backend;
+          d["device"] = c10::DeviceTypeName(t->deviceType, /*lower_case=*/true);
+          d["library"] = t->library;
+          d["grows"] = t->growth.has_value();
+          d["enabled"] = !t->enabled || t->enabled();
+          out.append(d);
+        }
+        return out;
+      },
+      "The device-transport registry: which library carries which backend's tensors of which device type");
   m.def("knobs", [] {
     py::list out;
     for (const auto& k : resilient_comm::env::allKnobs()) {

@@ -23,6 +23,7 @@ def report() -> dict:
         "transports": {"tcp": {"available": True, "caps": caps, "shm": _C.shm_self_test()}},
         "nccl": nccl,
         "hccl": _C.probe_hccl(),
+        "device_transports": _C.device_transports(),
         "knobs": [
             (k.name, "<set, not shown>" if k.name in SECRET_KNOBS and k.value else k.value, k.default)
             for k in knobs()
@@ -58,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         print("        " + " ".join(f"{k}={'yes' if v else 'no'}" for k, v in h["caps"].items()))
     else:
         print("  hccl  not available: " + h["error"])
+    print("device transports (which library carries a backend's device tensors):")
+    for t in r["device_transports"]:
+        state = "" if t["enabled"] else "   (off: RESILIENT_COMM_NCCL_EMULATE=1 turns it on)"
+        grows = "grows with its group" if t["grows"] else "made afresh on a grow"
+        print(f"  {t['backend']:15s} {t['device']:14s} {t['library']:5s} {grows}{state}")
     print("knobs (RESILIENT_COMM_*):")
     for name, value, default in r["knobs"]:
         mark = "" if value == default else "   (set)"

@@ -285,3 +285,26 @@ def test_ranks_that_disagree_get_a_mismatch_error_on_every_rank(case: str) -> No
         assert kind == "CommMismatchError", f"rank {r.rank}: {kind} {text}"
         assert "every rank must call the same collectives" in text, text
         assert elapsed < 5.0, f"rank {r.rank} took {elapsed:.2f} s"
+
+
+@pytest.mark.parametrize("emulate", ["", "1"])
+def test_the_backends_find_their_device_transports_in_one_registry(emulate: str) -> None:
+    """The extension registers which library carries which backend's device tensors; the NCCL
+    emulator is one entry among them, on only when a run asks for it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RESILIENT_COMM_NCCL_EMULATE": emulate}
+    out = subprocess.run(
+        [sys.executable, "-c", "import json; from resilient_comm import _C; print(json.dumps(_C.device_transports()))"],
+        env=env, capture_output=True, text=True, timeout=60, check=True)
+    entries = {(t["backend"], t["device"]): t for t in json.loads(out.stdout)}
+    assert set(entries) == {("resilient_nccl", "cuda"), ("resilient_nccl", "cpu"), ("resilient_hccl", "privateuseone")}
+    assert entries["resilient_nccl", "cuda"] == {"backend": "resilient_nccl", "device": "cuda", "library": "NCCL",
+                                                 "grows": True, "enabled": True}
+    assert entries["resilient_nccl", "cpu"]["library"] == "NCCL"
+    assert entries["resilient_nccl", "cpu"]["enabled"] is (emulate == "1")
+    assert entries["resilient_hccl", "privateuseone"]["library"] == "HCCL"
+    assert entries["resilient_hccl", "privateuseone"]["grows"] is False, "HCCL has no grow: made afresh"

@@ -40,6 +40,18 @@ def test_a_wrong_way_include_is_named_with_both_files(tmp_path: pathlib.Path) ->
            "backend" in out.stderr, out.stderr
 
 
+def test_the_backend_may_not_name_a_vendor_transport_or_the_emulator(tmp_path: pathlib.Path) -> None:
+    """The backend finds device transports in comm's registry: including one is a wrong way."""
+    root = _copy(tmp_path)
+    (root / "csrc" / "backend" / "planted.cpp").write_text(
+        '#include "transport/nccl/nccl_communicator.h"\n#include "emulation/nccl/nccl_emulator.h"\n')
+    out = _check(root, "--cpp")
+    assert out.returncode == 1
+    assert "csrc/backend/planted.cpp includes csrc/transport/nccl/nccl_communicator.h: backend may not use " \
+           "transport/nccl" in out.stderr, out.stderr
+    assert "backend may not use emulation" in out.stderr, out.stderr
+
+
 def test_a_wrong_way_import_a_cycle_and_a_private_name_are_each_named(tmp_path: pathlib.Path) -> None:
     root = _copy(tmp_path)
     elastic = root / "resilient_comm" / "elastic"

@@ -15,7 +15,9 @@
 #include "common/env.h"
 #include "common/logging.h"
 #include "emulation/nccl/emu_bootstrap.h"
+#include "emulation/device/emulated_device.h"
 #include "emulation/nccl/emu_state.h"
+#include "transport/nccl/nccl_transport.h"
 #include "transport/tcp/socket.h"
 
 namespace resilient_comm::nccl {
@@ -442,6 +444,14 @@ std::shared_ptr<NcclEmulator> processEmulator() {
     return std::make_shared<NcclEmulator>(o);
   }();
   return emulator;
+}
+
+DeviceTransport emulatedNcclTransport(std::string backend) {
+  DeviceTransport t = ncclTransport(std::move(backend), c10::DeviceType::CPU, "CPU", [](const c10::Device&) {
+    return Result<NcclRuntime>(NcclRuntime{processEmulator(), device::emu::makeEmulatedStreamOps(0)});
+  });
+  t.enabled = emulationRequested;
+  return t;
 }
 
 }  // namespace resilient_comm::nccl

@@ -38,6 +38,7 @@
 #include <memory>
 #include <string>
 
+#include "comm/device_transport.h"
 #include "transport/nccl/nccl_api.h"
 
 namespace resilient_comm::nccl {
@@ -110,5 +111,8 @@ bool emulationRequested();
 // The process's emulator for RESILIENT_COMM_NCCL_EMULATE=1, made on first use with the options
 // of the RESILIENT_COMM_NCCL_EMULATE_* knobs.
 std::shared_ptr<NcclEmulator> processEmulator();
+// The registry entry that carries `backend`'s CPU tensors on the NCCL code path: the process's
+// emulator and emulated streams, enabled by RESILIENT_COMM_NCCL_EMULATE=1.
+DeviceTransport emulatedNcclTransport(std::string backend);
 
 }  // namespace resilient_comm::nccl

@@ -43,6 +43,7 @@
 
 #include "comm/comm_lifecycle.h"
 #include "comm/communicator.h"
+#include "comm/device_transport.h"
 #include "comm/store_util.h"
 #include "common/abort_token.h"
 #include "transport/hccl/hccl_api.h"
@@ -173,14 +174,10 @@ class HcclCommunicator : public CommLifecycle {
 // A fresh root info from `api` (HcclGetRootInfo), as the bytes HcclOptions::rootInfo takes.
 Result<std::vector<uint8_t>> makeRootInfo(HcclApi& api);
 
-// The communicator resilient_hccl uses for the NPU tensors of device `deviceIndex`: loads
-// libhccl, takes NPU streams through c10 (torch_npu must have been imported: it registers the
-// "npu" device), and starts the init. The store key prefix is "resilient_comm_hccl/<name>/".
-// `rootInfo`: as HcclOptions::rootInfo.
-Result<std::shared_ptr<Communicator>> createHcclCommunicator(const StorePtr& store, const std::string& name, int rank,
-                                                             int size, const Deadline& initDeadline, int deviceIndex,
-                                                             std::vector<uint8_t> rootInfo = {});
-// makeRootInfo through the libhccl createHcclCommunicator loads.
-Result<std::vector<uint8_t>> makeRootInfo();
+// The registry entry for `backend`'s NPU tensors: HCCL through libhccl, on the NPU streams c10
+// gives (torch_npu must have been imported: it registers the "npu" device). A communicator's
+// bootstrap keys are the spec's prefix; its root info the spec's id where the members agreed
+// on one (HcclOptions::rootInfo), else rank 0's, through the store.
+DeviceTransport hcclTransport(std::string backend);
 
 }  // namespace resilient_comm::hccl

@@ -1,4 +1,4 @@
-// createHcclCommunicator: where the HCCL transport meets c10's device API (the "npu" device that
+// The HCCL transport's registry entry: where it meets c10's device API (the "npu" device that
 // torch_npu registers), so that hccl_communicator.cpp stays free of it and runs on any torch.
 #include <c10/core/Device.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -10,9 +10,10 @@
 
 namespace resilient_comm::hccl {
 
-Result<std::shared_ptr<Communicator>> createHcclCommunicator(const StorePtr& store, const std::string& name, int rank,
-                                                             int size, const Deadline& initDeadline, int deviceIndex,
-                                                             std::vector<uint8_t> rootInfo) {
+namespace {
+
+Result<std::shared_ptr<Communicator>> createHcclCommunicator(DeviceCommSpec spec, const Deadline& initDeadline) {
+  const int deviceIndex = spec.device.index();
   std::shared_ptr<HcclApi> api;
   RC_ASSIGN_OR_RETURN(api, loadHccl());
   c10::Device device(c10::DeviceType::CPU);
@@ -24,12 +25,12 @@ Result<std::shared_ptr<Communicator>> createHcclCommunicator(const StorePtr& sto
                       e.what());
   }
   HcclOptions o;
-  o.name = name;
-  o.store = store;
-  o.prefix = "resilient_comm_hccl/" + name + "/";
-  o.rank = rank;
-  o.size = size;
-  o.rootInfo = std::move(rootInfo);
+  o.name = std::move(spec.name);
+  o.store = std::move(spec.store);
+  o.prefix = std::move(spec.prefix);
+  o.rank = spec.rank;
+  o.size = spec.size;
+  o.rootInfo = std::move(spec.id);
   o.makeStreams = [deviceIndex]() -> Result<std::shared_ptr<StreamOps>> {
     std::shared_ptr<StreamOps> streams;
     RC_ASSIGN_OR_RETURN(streams, device::makeDeviceStreamOps("npu", deviceIndex));
@@ -53,10 +54,26 @@ Result<std::shared_ptr<Communicator>> createHcclCommunicator(const StorePtr& sto
   return std::shared_ptr<Communicator>(std::move(comm));
 }
 
-Result<std::vector<uint8_t>> makeRootInfo() {
+// makeRootInfo through the libhccl createHcclCommunicator loads.
+Result<std::vector<uint8_t>> loadedRootInfo() {
   std::shared_ptr<HcclApi> api;
   RC_ASSIGN_OR_RETURN(api, loadHccl());
   return makeRootInfo(*api);
+}
+
+}  // namespace
+
+DeviceTransport hcclTransport(std::string backend) {
+  DeviceTransport t;
+  t.backend = std::move(backend);
+  t.deviceType = c10::DeviceType::PrivateUse1;  // torch_npu's "npu"
+  t.deviceName = "NPU";
+  t.library = "HCCL";
+  t.idBytes = kHcclRootInfoBytes;
+  t.makeId = [](const c10::Device&) { return loadedRootInfo(); };
+  t.create = createHcclCommunicator;
+  // No growth: HCCL has no grow, so a grown group makes a fresh world on first use.
+  return t;
 }
 
 }  // namespace resilient_comm::hccl
