@@ -25,6 +25,18 @@ def knobs() -> list[Knob]:
     return [Knob(name, default, doc) for name, default, doc in _C.knobs()]
 
 
+def knob_int(name: str, least: int) -> int:
+    """An integer knob's value, at least `least` (a clear ValueError otherwise)."""
+    value = next(k for k in knobs() if k.name == name).value
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None
+    if n < least:
+        raise ValueError(f"{name} must be at least {least}, got {value!r}")
+    return n
+
+
 def knob_s(name: str, least_ms: float) -> float:
     """A millisecond knob's value, in seconds; at least `least_ms` and positive (a clear
     ValueError otherwise)."""

@@ -74,6 +74,7 @@ PY_ARROWS: dict[str, set[str]] = {
         "resilient_comm.elastic.membership",
         "resilient_comm.elastic.state",
         "lib",
+        "resilient_comm.config",
         "resilient_comm.checkpoint",
     },
     # The package's surface re-exports the public API of every part.

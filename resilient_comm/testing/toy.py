@@ -190,6 +190,15 @@ def _die(events: Events, why: str, step: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _flip_a_bit(trainer: Trainer, events: Events, step: int) -> None:
+    """Silent data corruption, as a cosmic ray or a bad DIMM would leave it: one bit of one
+    parameter's memory, changed in place (a mantissa bit of the first weight)."""
+    with torch.no_grad():
+        raw = trainer.model.w1.data.view(-1).view(torch.uint8)
+        raw[2] ^= 0x10
+    events.write("flip", step=step)
+
+
 def run_elastic(a: argparse.Namespace) -> int:
     from resilient_comm.elastic import EXIT_EVICTED, Controller, Evicted, Mesh, RecoveryError
     from resilient_comm.elastic.model.env import ENV_SPARE
@@ -203,6 +212,10 @@ def run_elastic(a: argparse.Namespace) -> int:
     kills = _faults(a.kill, rank)
     marks = {int(s.split(":")[1]) for s in a.mark if int(s.split(":")[0]) == rank}
     holds = {int(s.split(":")[1]) for s in a.hold if int(s.split(":")[0]) == rank}
+    flips = {int(s.split(":")[1]) for s in a.flip if int(s.split(":")[0]) == rank}
+    flip_now = threading.Event()
+    if a.flip_on_signal:
+        signal.signal(signal.SIGUSR1, lambda *_: flip_now.set())
     mesh0 = Mesh.for_world(world, a.tp)
     data_ids = [int(d) for d in a.data_ids.split(",")] if a.data_ids else list(range(mesh0.dp))
     # A spare's tp index (and so its initial weights) is unknown until it is placed; the state
@@ -239,6 +252,16 @@ def run_elastic(a: argparse.Namespace) -> int:
             store.wait([f"toy/go/{info['step']}"])
         if event == "step.committed":
             events.write("commit", step=info["step"])
+            if info["step"] in flips:  # once: the redone step after a roll back does not flip again
+                flips.discard(info["step"])
+                _flip_a_bit(trainer, events, info["step"])
+        if event == "step.start" and flip_now.is_set():
+            flip_now.clear()
+            _flip_a_bit(trainer, events, info["step"])
+        if event == "integrity.agreed":
+            events.write("agreed", step=info["step"], ms=info["ms"])
+        if event == "integrity.mismatch":
+            events.write("mismatch", step=info["step"], back_to=info["back_to"], diverged=info["diverged"])
         if event == "recovery.restored":
             extra = {"digest": digest(trainer.state_dict())} if a.digest else {}
             events.write(
@@ -278,6 +301,7 @@ def run_elastic(a: argparse.Namespace) -> int:
         checkpoint_dir=a.ckpt_dir,
         checkpoint_every=a.ckpt_dir_every,
         warmup=warm_up if a.warmup_burn_ms else None,
+        fingerprint_every=a.fingerprint_every,
     )
 
     def train_step(s: Any) -> None:
@@ -483,6 +507,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--digest", action="store_true", help="elastic: state hash in each 'restored' event")
     p.add_argument("--ckpt-dir", default=None, help="elastic: the controller's async checkpoints go here")
     p.add_argument("--ckpt-dir-every", type=int, default=0, help="elastic: async checkpoint every N steps")
+    p.add_argument(
+        "--flip",
+        action="append",
+        default=[],
+        metavar="RANK:STEP",
+        help="elastic: flip a bit of RANK's parameters after STEP's commit (silent data corruption)",
+    )
+    p.add_argument(
+        "--flip-on-signal", action="store_true", help="elastic: flip a bit at the next step after SIGUSR1"
+    )
+    p.add_argument(
+        "--fingerprint-every",
+        type=int,
+        default=None,
+        help="elastic: compare the replicas' state every N steps (default: RESILIENT_COMM_FINGERPRINT_EVERY)",
+    )
     p.add_argument("--baseline", action="store_true", help="plain gloo with checkpoint/restart (torchrun)")
     return p
 

@@ -15,6 +15,8 @@ stop-short          SIGSTOP for 0.3 s, under the silence bound: nobody may be ev
 stop-long           SIGSTOP for 3 s: the stopped rank is evicted, the others go on
 spare               one rank killed with a hot spare waiting: the spare takes its place
 tp2                 tp=2: one rank killed, its whole replica goes
+bitflip             one bit of one rank's parameters flipped after a step (silent data corruption):
+                    the replicas' next fingerprint comparison finds it, every member goes back
 ==================  ==============================================================================
 
 and checks: no hang (the job ends within --timeout-s), exit status 0, every member of the last
@@ -52,10 +54,12 @@ KINDS = (
     "stop-long",
     "spare",
     "tp2",
+    "bitflip",
 )
 PHASES = ("start", "synced", "committed")
 STOP_SHORT_S, STOP_LONG_S = 0.3, 3.0
 STEP_MS = 25  # compute per step: the job runs long enough for heartbeats to tell its phases
+FINGERPRINT_EVERY = 5  # the replicas compare their state this often in every trial
 
 
 @dataclass
@@ -121,6 +125,9 @@ def draw(index: int, kind: str, rng: random.Random, world: int, steps: int) -> T
         return Trial(index, kind, kill, [victim], spares=1)
     if kind == "tp2":
         return Trial(index, kind, ["--tp", "2", *kill], [victim], tp=2)
+    if kind == "bitflip":  # before the last comparison, so that one finds it
+        flip = rng.randrange(1, steps - FINGERPRINT_EVERY - (steps % FINGERPRINT_EVERY))
+        return Trial(index, kind, ["--flip", f"{victim}:{flip}"], [])
     raise ValueError(f"unknown trial kind {kind!r} (kinds: {', '.join(KINDS)})")
 
 
@@ -214,7 +221,8 @@ def run_trial(t: Trial, world: int, steps: int, workdir: str, timeout_s: float, 
     out = Outcome(t.index, t.kind, t.args)
     dump = os.path.join(workdir, "dump")
     hold = ["--hold", "0:1"] if t.spares else []  # the kill comes after the spare registered
-    args = ["--steps", str(steps), "--step-ms", str(STEP_MS), "--dump", dump, *t.args, *hold]
+    args = ["--steps", str(steps), "--step-ms", str(STEP_MS), "--fingerprint-every", str(FINGERPRINT_EVERY),
+            "--dump", dump, *t.args, *hold]
     if "--ckpt-dir-every" in args:
         args += ["--ckpt-dir", os.path.join(workdir, "ckpt")]
     t0 = time.monotonic()
@@ -252,6 +260,8 @@ def run_trial(t: Trial, world: int, steps: int, workdir: str, timeout_s: float, 
         out.fail(f"false eviction of {out.false_evictions}")
     if t.kind == "stop-long" and not any(t.victims[0] in d.lost for d in decisions):
         out.fail(f"rank {t.victims[0]}, stopped for {STOP_LONG_S} s, was not evicted")
+    if t.kind == "bitflip" and not any(e["event"] == "mismatch" for e in job.events()):
+        out.fail("the flipped bit was never found")
     killed = {e["rank"] for e in job.events() if e["event"] == "kill"}
     alive = [r for r in last.members if r not in killed]
     finals = {}

@@ -1,4 +1,4 @@
-"""The `resilient-comm` command: demo, bench {checkpoint,collectives,control-plane,etcd-costs,nccl,overhead,primitives,reconfigure,recovery}, chaos, sim, doctor."""
+"""The `resilient-comm` command: demo, bench {checkpoint,collectives,control-plane,etcd-costs,integrity,nccl,overhead,primitives,reconfigure,recovery}, chaos, sim, doctor."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ def _bench(argv: list[str]) -> int:
         "collectives": "resilient_comm.tools.bench.collectives",
         "control-plane": "resilient_comm.tools.bench.control_plane",
         "etcd-costs": "resilient_comm.tools.bench.etcd_costs",
+        "integrity": "resilient_comm.tools.bench.integrity",
         "nccl": "resilient_comm.tools.bench.nccl_path",
         "overhead": "resilient_comm.tools.bench.overhead",
         "primitives": "resilient_comm.tools.bench.primitives",

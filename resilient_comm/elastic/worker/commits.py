@@ -128,6 +128,12 @@ class Commits:
             self._copy_state(d, rank, state, world())
         self.pending, self.dirty, self.next_step = None, False, d.resume_step
 
+    def rewind(self, step: int) -> None:
+        """The state was put back to committed step `step` (a replica comparison found a
+        mismatch): the steps after it run again."""
+        self.committed, self.next_step = step, step + 1
+        self.pending, self.snapshot, self.dirty = None, None, False
+
     def _copy_state(self, d: Decision, rank: int, state: Stateful | None, world: dist.ProcessGroup) -> None:
         """Donors send their (committed) state to the members in `d.sources`, over the world."""
         for joiner, donor in d.sources:

@@ -78,6 +78,7 @@ import torch
 import torch.distributed as dist
 
 import resilient_comm
+from resilient_comm.config import knob_int
 from resilient_comm.elastic.membership.protocol import Membership, connect
 from resilient_comm.elastic.model.bounds import DetectorConfig
 from resilient_comm.elastic.model.env import ENV_AGENT, ENV_NAMESPACE, ENV_SPARE, ENV_STORE
@@ -93,6 +94,7 @@ from resilient_comm.elastic.worker.detector import Detector
 from resilient_comm.elastic.worker.errors import Evicted, RecoveryError
 from resilient_comm.elastic.worker.evidence import Evidence
 from resilient_comm.elastic.worker.groups import Groups, build_groups
+from resilient_comm.elastic.worker.integrity import Integrity
 from resilient_comm.elastic.worker.rejoin import (
     await_decision,
     catch_up,
@@ -158,6 +160,7 @@ class Controller(Evidence):
         device: torch.device | str | None = None,
         warmup: Callable[[], Any] | None = None,
         shard_dp: bool = False,
+        fingerprint_every: int | None = None,
     ) -> None:
         """`state`: the state provider (``state_dict``/``load_state_dict``: a module, a
         `TrainState`, ...), or a factory called with this process's `Place` once it is known
@@ -169,7 +172,10 @@ class Controller(Evidence):
         `shard_dp`: the state is sharded over dp (FSDP2): every recovery restores the newest
         checkpoint, re-sharded onto the new mesh (`reshard`; needs `checkpoint_every`). A state
         provider with an ``on_mesh(device_mesh)`` method has it called after every build of
-        the groups, before its state is restored: it re-creates its model over the new mesh."""
+        the groups, before its state is restored: it re-creates its model over the new mesh.
+        `fingerprint_every`: the dp replicas compare a fingerprint of their state after every
+        this many committed steps, and on a mismatch every member goes back to the newest state
+        they agreed on (`integrity`; 0: never; None: ``RESILIENT_COMM_FINGERPRINT_EVERY``)."""
         env = os.environ
         missing = [k for k in ("RANK", "WORLD_SIZE", ENV_STORE, ENV_NAMESPACE, ENV_AGENT) if k not in env]
         if missing:
@@ -196,6 +202,9 @@ class Controller(Evidence):
         self._max_per_step = max_recoveries_per_step
         self._ckpts = Checkpoints(checkpoint_dir, checkpoint_every, checkpoint_keep, shard_dp)
         self._commits = Commits(start_step, snapshot and state is not None, self._ckpts, self._emit)
+        if fingerprint_every is None:
+            fingerprint_every = knob_int("RESILIENT_COMM_FINGERPRINT_EVERY", 0)
+        self.integrity = Integrity(fingerprint_every, self._emit)
         store = connect(env[ENV_STORE], self._timeout)
         self._m = Membership(store, env[ENV_NAMESPACE])
         initial = Decision(0, list(range(world)), Mesh.for_world(world, tp, pp).as_dict(), "init", start_step)
@@ -366,6 +375,7 @@ class Controller(Evidence):
             self._hook(event, info)
 
     def _begin(self, step: int) -> None:
+        self.integrity.baseline(self.committed, self._state)
         self._commits.begin(step, self._state, lambda: self.place.rank, self.applied_epoch)
         self._step_started = time.monotonic()
         self._detector.progress(step, "compute")
@@ -378,6 +388,31 @@ class Controller(Evidence):
         self._detector.step_done(time.monotonic() - self._step_started)
         self._timelines.first_commit(self._lock, self._detector.report)
         self._emit("step.committed", step=step)
+        if self.integrity.due(step) and self._state is not None:
+            self._compare(step)
+
+    def _compare(self, step: int) -> None:
+        """The replicas compare their state after `step` (`integrity`); on a mismatch this
+        member is already back at the agreed step, and the loop goes on from there."""
+        v = self.integrity.compare(step, self._state, self.groups.world, self.members, self.mesh)  # type: ignore[arg-type]
+        if v.agreed:
+            self._emit("integrity.agreed", step=step, ms=v.ms)
+            return
+        named = f"diverged: rank(s) {v.named}" if v.named else "no majority names a replica"
+        log.warning(
+            "rank %d: the replicas' state differs after step %d (%s); every member goes back to step %d",
+            self.rank,
+            step,
+            named,
+            v.back_to,
+        )
+        self._commits.rewind(v.back_to)
+        self._emit("integrity.mismatch", step=step, back_to=v.back_to, diverged=v.named)
+        if self.rank in v.named and self.integrity.named[self.rank] >= 2:
+            raise Evicted(
+                f"rank {self.rank}'s replica diverged from its peers {self.integrity.named[self.rank]} "
+                f"times (the last after step {step}): treated as failing, it leaves the job"
+            )
 
     # -- failure evidence (detector threads) ----------------------------------------------
 
@@ -493,6 +528,7 @@ class Controller(Evidence):
         with self._lock:
             old, self._held, self._watching = self._held, [], set(d.members)
         self.applied_epoch, self._decision, self._ready = d.epoch, d, False
+        self.integrity.forget()  # the replicas and their shards may have changed
         self._resolve_state()
         # Watch the new members from the start of the build: a spare that froze while it waited
         # (it heartbeats, but nobody watched it) is suspected by silence instead of holding the

@@ -2,6 +2,8 @@
 
 - :mod:`~resilient_comm.tools.bench.collectives`: latency and bandwidth of the CPU collectives of
   ``resilient_tcp`` against gloo, in the same worker processes.
+- :mod:`~resilient_comm.tools.bench.integrity`: what the replicas' fingerprint comparison (silent
+  data corruption) costs per step of the demo's training, against the same job without it.
 - :mod:`~resilient_comm.tools.bench.nccl_path`: the NCCL code path's overlap on the NCCL emulator
   (async calls that return at once, ops in flight together) against resilient_tcp and gloo.
 - :mod:`~resilient_comm.tools.bench.overhead`: ``dist.all_reduce`` on ``resilient_tcp`` against the

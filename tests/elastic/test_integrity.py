@@ -1,0 +1,84 @@
+"""Silent data corruption end to end: a bit flipped in one replica's parameter memory (by the
+toy, in its own process) is found at the next comparison of the replicas' fingerprints, every
+member goes back to the last agreed state and redoes the steps since, and the final state is
+bit-identical to a fault-free run. A replica named twice leaves the job."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from resilient_comm.elastic import EXIT_EVICTED
+from resilient_comm.testing.harness import same_state
+from resilient_comm.testing.toy import ToyJob
+
+STEPS = 50
+EVERY = 10
+
+
+def _run(tmp: str, nproc: int, *args: str, timeout_s: float = 120.0) -> tuple[int, ToyJob]:
+    job = ToyJob(nproc, ["--steps", str(STEPS), "--fingerprint-every", str(EVERY), "--dump",
+                         os.path.join(tmp, "dump"), *args], tmp).start()
+    return job.wait(timeout_s), job
+
+
+def _final(job: ToyJob, ranks: list[int]) -> dict[int, dict[str, Any]]:
+    return {r: torch.load(os.path.join(job.workdir, "dump", f"final-{r}.pt"), weights_only=False) for r in ranks}
+
+
+def _commits(job: ToyJob, rank: int) -> list[int]:
+    return [e["step"] for e in job.events() if e["event"] == "commit" and e["rank"] == rank]
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+    """Final states of fault-free runs of 2 and 3 replicas (no comparison at all)."""
+    out = {}
+    for n in (2, 3):
+        tmp = str(tmp_path_factory.mktemp(f"fault_free{n}"))
+        job = ToyJob(n, ["--steps", str(STEPS), "--fingerprint-every", "0", "--dump", os.path.join(tmp, "dump")],
+                     tmp).start()
+        assert job.wait(120.0) == 0, job.events()
+        out[n] = _final(job, [0])[0]["state"]
+    return out
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("replicas", [3, 2])
+def test_a_flipped_bit_is_found_every_member_goes_back_and_the_result_is_bit_identical(
+        tmp_path: Any, fault_free: dict[int, Any], replicas: int) -> None:
+    status, job = _run(str(tmp_path), replicas, "--flip", "1:30")
+    assert status == 0, job.events()
+    flips = [e for e in job.events() if e["event"] == "flip"]
+    assert [(e["rank"], e["step"]) for e in flips] == [(1, 30)], "flipped once: the redone step does not"
+    mismatches = [e for e in job.events() if e["event"] == "mismatch"]
+    assert sorted(e["rank"] for e in mismatches) == list(range(replicas)), "every member saw it"
+    for e in mismatches:
+        # Found at the next comparison (after step 39), back to the last agreed state (step 29).
+        assert (e["step"], e["back_to"]) == (39, 29), e
+        assert e["diverged"] == ([1] if replicas == 3 else []), "a majority names it; two replicas cannot"
+    final = _final(job, list(range(replicas)))
+    for r in range(replicas):
+        assert final[r]["recoveries"] == [], "no process failed: nothing to recover"
+        assert final[r]["committed"] == STEPS - 1
+        assert _commits(job, r) == list(range(40)) + list(range(30, STEPS)), "steps 30-39 redone once"
+        assert same_state(final[r]["state"], fault_free[replicas]), f"rank {r} differs from the fault-free run"
+
+
+@pytest.mark.timeout(200)
+def test_a_replica_that_diverges_twice_leaves_and_the_others_go_on(tmp_path: Any) -> None:
+    status, job = _run(str(tmp_path), 3, "--flip", "1:12", "--flip", "1:25")
+    assert status == 0, job.events()
+    events = job.events()
+    named = [(e["step"], e["diverged"]) for e in events if e["event"] == "mismatch" and e["rank"] == 0]
+    assert named == [(19, [1]), (29, [1])], named
+    evicted = [e for e in events if e["event"] == "evicted"]
+    assert [e["rank"] for e in evicted] == [1] and "diverged from its peers 2 times" in evicted[0]["why"], evicted
+    assert job.launcher.workers[1].status == EXIT_EVICTED
+    final = _final(job, [0, 2])
+    assert final[0]["members"] == [0, 2] and final[0]["committed"] == STEPS - 1
+    assert same_state(final[0]["state"], final[2]["state"])
+    assert len(final[0]["recoveries"]) == 1, "its leaving is a lost rank, recovered like any"
