@@ -64,7 +64,7 @@ namespace resilient_comm::env {
     "elastic: a rank computing while others wait is suspected past max(this, the same bound)")   \
   X(kSlowFactor, "RESILIENT_COMM_SLOW_FACTOR", "10",                                             \
     "elastic: the dead-vs-slow bound's multiple of a rank's own p99 step time")                  \
-  X(kFingerprintEvery, "RESILIENT_COMM_FINGERPRINT_EVERY", "50",                                 \
+  X(kFingerprintEvery, "RESILIENT_COMM_FINGERPRINT_EVERY", "100",                                \
     "elastic: the dp replicas compare a fingerprint of their state every this many steps (0: never)")
 
 enum class Knob {

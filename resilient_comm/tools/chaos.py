@@ -221,8 +221,18 @@ def run_trial(t: Trial, world: int, steps: int, workdir: str, timeout_s: float, 
     out = Outcome(t.index, t.kind, t.args)
     dump = os.path.join(workdir, "dump")
     hold = ["--hold", "0:1"] if t.spares else []  # the kill comes after the spare registered
-    args = ["--steps", str(steps), "--step-ms", str(STEP_MS), "--fingerprint-every", str(FINGERPRINT_EVERY),
-            "--dump", dump, *t.args, *hold]
+    args = [
+        "--steps",
+        str(steps),
+        "--step-ms",
+        str(STEP_MS),
+        "--fingerprint-every",
+        str(FINGERPRINT_EVERY),
+        "--dump",
+        dump,
+        *t.args,
+        *hold,
+    ]
     if "--ckpt-dir-every" in args:
         args += ["--ckpt-dir", os.path.join(workdir, "ckpt")]
     t0 = time.monotonic()

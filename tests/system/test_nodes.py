@@ -3,7 +3,8 @@ three-member etcd cluster among them, one resilient-run per node: a node partiti
 leader lost (it is node 2's own member, first in its clients' lists: they move on too), node
 0's agent lost, a capacity node (--nnodes 3:4) joining late and its spares taking a whole
 SIGKILLed node's ranks, and a lost capacity node's spares taken out before a later whole-node
-loss shrinks the job. Each time the job finishes with the right survivors, bit-identical
+loss shrinks the job, a link that flaps for less than the tolerated outage (nothing happens)
+and for longer than the lease (a partition). Each time the job finishes with the right survivors, bit-identical
 replicas and no hang; a lost node is decided on through its lease, and the partitioned node is
 fenced within its lease + 1 s. Skipped, with the reason, where namespaces or etcd are not
 available."""
@@ -22,6 +23,7 @@ import torch
 
 from resilient_comm.elastic import EXIT_EVICTED, Decision, Membership
 from resilient_comm.elastic.membership.etcd.store import EtcdStore
+from resilient_comm.elastic.node.lease import fence_after_s, tolerated_outage_s
 from resilient_comm.testing.cluster import NetnsCluster, available
 from resilient_comm.testing.harness import same_state
 from resilient_comm.testing.toy import read_events
@@ -291,3 +293,49 @@ def test_a_lost_capacity_node_takes_its_spares_out_and_a_later_loss_shrinks(capa
     print(f"[nodes] whole-node SIGKILL, no spare left -> decision published: {ds[1].t - killed:.2f} s")
     assert LEASE_S - 2.0 < ds[1].t - killed < LEASE_S + 3.0, f"decided {ds[1].t - killed:.2f} s after the kill"
     check_survivors(job, [0, 1, 2, 3])
+
+
+def _flap(job: Job, node: int, down_s: float) -> float:
+    """Node `node`'s link down for `down_s` (while the job trains), then up; returns the cut's time."""
+    job.held()
+    job.c.partition(node)
+    cut = time.time()
+    job.go()
+    time.sleep(down_s)  # the outage's length is what the test is about, not a synchronisation
+    job.c.heal(node)
+    return cut
+
+
+@pytest.mark.timeout(300)
+def test_a_link_down_for_less_than_the_tolerated_outage_costs_nothing(job: Job) -> None:
+    """Node 3 (ranks 6, 7; no etcd member) loses its link for just under the documented bound
+    while the job trains: no fence, no eviction, no epoch; the outage is reported."""
+    down_s = tolerated_outage_s(LEASE_S) - 0.3
+    _flap(job, 3, down_s)
+    status = job.wait(list(range(NODES)))
+    assert status == {i: 0 for i in range(NODES)}, {i: job.log(i)[-2000:] for i in status}
+    assert job.m.epoch() == 0, job.decisions()
+    assert not [e for e in read_events(job.events) if e["event"] == "evicted"]
+    check_survivors(job, list(range(WORLD)))
+    rode = [line for line in job.log(3).splitlines() if "rode out a store outage" in line]
+    assert len(rode) == 1, job.log(3)[-3000:]
+    silent = float(rode[0].split("no answer for ")[1].split(" s")[0])
+    print(f"[nodes] link down {down_s:.2f} s -> no answer for {silent:.2f} s (fences past {fence_after_s(LEASE_S)} s)")
+    assert down_s <= silent < fence_after_s(LEASE_S), rode
+
+
+@pytest.mark.timeout(300)
+def test_a_link_down_for_longer_than_the_lease_is_a_partition_and_the_node_stays_out(job: Job) -> None:
+    """Node 3's link down for longer than its lease, then up: it fenced itself, the others
+    went on without it, and its return changes nothing."""
+    cut = _flap(job, 3, LEASE_S + 1.0)
+    status = job.wait(list(range(NODES)))
+    assert status[3] == EXIT_EVICTED and all(status[i] == 0 for i in range(3)), (status, job.log(3)[-3000:])
+    evicted = [e for e in read_events(job.events) if e["event"] == "evicted"]
+    assert sorted(e["rank"] for e in evicted) == [6, 7] and all("fenced" in e["why"] for e in evicted), evicted
+    fenced_after = max(e["t"] for e in evicted) - cut
+    print(f"[nodes] link down {LEASE_S + 1.0:.1f} s -> node fenced after {fenced_after:.2f} s")
+    assert fenced_after < LEASE_S + 1.0, f"node 3 fenced {fenced_after:.2f} s after the cut"
+    ds = job.decisions()
+    assert ds[-1].members == list(range(6)) and sorted(ds[1].lost) == [6, 7], ds
+    check_survivors(job, list(range(6)))

@@ -125,6 +125,7 @@ class NodeAgent:
         self.metrics: Any = None  # a node.metrics.NodeMetrics (resilient-run --metrics-port), or None
         self.joins: JoinBatcher | None = None  # (`start`)
         self._finished = False
+        self.outages: list[float] = []  # store outages ridden out, in seconds (`NodeLease`)
         self._seq = 0
         self._next_tick = time.monotonic()
         self._next_node_beat = self._next_tick
@@ -151,6 +152,7 @@ class NodeAgent:
                 self._lease_successor,
                 self._fence,
                 lambda: self.fenced,
+                self._rode_out,
             )
             if self.lease_s
             else None
@@ -161,6 +163,12 @@ class NodeAgent:
             else None
         )
         self.path = self.channel.path if self.channel is not None else ""
+
+    def _rode_out(self, seconds: float) -> None:
+        """A store outage the node rode out (`NodeLease`): counted where metrics are served."""
+        self.outages.append(seconds)
+        if self.metrics is not None:
+            self.metrics.outage(seconds)
 
     # -- processes ------------------------------------------------------------------------
 

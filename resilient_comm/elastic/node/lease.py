@@ -25,13 +25,36 @@ from resilient_comm.elastic.membership.protocol import Membership
 
 log = logging.getLogger("resilient_comm.agent")
 
+# After a link comes back, how long the store may take to answer the keepalive (a request sent
+# anew on a fresh connection: a round trip and a linearizable read; measured 0.1-0.3 s on the
+# loaded test machine, namespaces on a bridge).
+ANSWER_AFTER_LINK_S = 0.5
+
+
+def fence_after_s(lease_s: float) -> float:
+    """A node whose store went this long without answering its keepalive fences itself: the
+    lease, less a margin (the store may drop the lease as soon as it ends)."""
+    return lease_s - min(0.5, lease_s / 6)
+
+
+def tolerated_outage_s(lease_s: float) -> float:
+    """The longest outage of a node's link (or of its store) that is guaranteed to cost
+    nothing: no fence, no eviction. The fence judges the time since the last keepalive the
+    store answered; when the link goes down that one may already be up to a keepalive period
+    (a sixth of the lease) old, and when it comes back the next answer takes up to
+    `ANSWER_AFTER_LINK_S`. Longer outages up to `fence_after_s` may be ridden out too, by luck
+    of timing; longer than the lease, the node is the partition it is (docs/elastic.md,
+    "Link flaps")."""
+    return fence_after_s(lease_s) - lease_s / 6 - ANSWER_AFTER_LINK_S
+
 
 class NodeLease:
     """The lease of node `node` on etcd. Its collaborators are the agent's: `record()` the
     record to put now and whether it goes with the lease (a finished node's last one does
     not: it must outlive the lease); `watch_successor(m)` reads the ring successor through
     `m` (`SuccessorWatch.check`) and returns whose record to watch for its deletion;
-    `fence(why)` cuts the node off (once); `fenced()` whether it is."""
+    `fence(why)` cuts the node off (once); `fenced()` whether it is; `rode_out(seconds)` is told
+    of every store outage the node rode out (answered again before it fenced)."""
 
     def __init__(
         self,
@@ -43,8 +66,10 @@ class NodeLease:
         watch_successor: Callable[[Membership], int | None],
         fence: Callable[[str], None],
         fenced: Callable[[], str | None],
+        rode_out: Callable[[float], None] | None = None,
     ) -> None:
         self.m, self.node, self.lease_s = m, node, lease_s
+        self._rode_out = rode_out
         self._stop = stop
         self._record, self._watch_successor = record, watch_successor
         self._fence, self._fenced = fence, fenced
@@ -82,7 +107,7 @@ class NodeLease:
             )
 
     def _fence_after_s(self) -> float:
-        return self.lease_s - min(0.5, self.lease_s / 6)
+        return fence_after_s(self.lease_s)
 
     def _lease_loop(self) -> None:
         """Grant the node's lease, rewrite its record with it, watch the successor; the
@@ -138,6 +163,19 @@ class NodeLease:
         if self.succ_watch is None and key is not None:
             self.succ_watch = DeleteWatch(store, key, self._wake.set)
 
+    def _outage(self, silent: float) -> None:
+        """The store answered again after `silent` seconds (two keepalives or more went
+        unanswered: a link that flapped, an election), before the node fenced."""
+        log.warning(
+            "node %d rode out a store outage: no answer for %.2f s (it fences past %.2f s; its lease is %g s)",
+            self.node,
+            silent,
+            self._fence_after_s(),
+            self.lease_s,
+        )
+        if self._rode_out is not None:
+            self._rode_out(silent)
+
     def _fence_loop(self) -> None:
         """Checks the lease on a thread that makes no store call. The loop's tick also checks,
         but the launcher's own store calls (reporting an exit, reading the membership) block
@@ -171,7 +209,10 @@ class NodeLease:
                 # down (the node was fenced 21 s after the cut, its lease 8 s). A linearizable
                 # read is answered only by a majority.
                 store.value(m.key("node", self.node))
+                silent = time.monotonic() - self.last_ok
                 self.last_ok = max(self.last_ok, sent)
+                if silent > 2 * period and self._fenced() is None:
+                    self._outage(silent)
             except dist.DistError as e:
                 log.warning(
                     "node %d: lease keepalive: no store majority for %.1f s (%s)",
@@ -182,4 +223,4 @@ class NodeLease:
             self._stop.wait(max(0.0, jittered(period) - (time.monotonic() - t0)))
 
 
-__all__ = ["NodeLease"]
+__all__ = ["ANSWER_AFTER_LINK_S", "NodeLease", "fence_after_s", "tolerated_outage_s"]

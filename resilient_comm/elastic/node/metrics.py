@@ -74,6 +74,13 @@ class NodeMetrics:
             ["rank"],
             registry=r,
         )
+        self.outages = pc.Histogram(
+            "resilient_comm_store_outage_seconds",
+            "Store outages this node's agent rode out (no answer, then answered again before it "
+            "fenced): a flapping link, an election",
+            buckets=BUCKETS,
+            registry=r,
+        )
         self.world.set(world)
         for s in SOURCES:
             self.detected_by.labels(s)  # every source shows, at 0 until seen
@@ -100,6 +107,9 @@ class NodeMetrics:
         for rank, lag in lags.items():
             self.lag.labels(str(rank)).set(round(lag, 3))
         self.spares.set(spares_waiting)
+
+    def outage(self, seconds: float) -> None:
+        self.outages.observe(seconds)
 
     def forget(self, rank: int) -> None:
         """A process that ended: its lag series goes."""

@@ -2,9 +2,10 @@
 
 Data-parallel replicas hold bit-identical state after every committed step; the controller
 compares their fingerprints to find silent data corruption (`worker/integrity.py`). The
-fingerprint reads a tensor's bits where it lives (no copy to the host, no copy at all for a
-contiguous tensor): its words, as int64, are summed twice, plainly and weighted by odd
-position weights, both modulo 2**64. A single flipped bit changes the plain sum by +-2**k,
+fingerprint reads the state's bits where they live (nothing is copied to the host; a large
+contiguous tensor is read in place, tensors under 1 MB are concatenated first, since a pass
+per small tensor costs more than the copy): the bytes, as int64 words (zero-padded to a whole
+word), are summed twice, plainly and weighted by odd position weights, modulo 2**64. A single flipped bit changes the plain sum by +-2**k,
 never 0 modulo 2**64; the weighted sum also sees words that swapped places. The sums of
 every tensor, with its name, dtype and shape, and every non-tensor value (a learning rate, a
 step count) go through BLAKE2b. Nothing here is a cryptographic guarantee against a chosen
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 _CHUNK = 1 << 20  # words weighted at a time: the weights are one cached tensor of this length
+_BATCH_BYTES = 1 << 20  # tensors smaller than this are concatenated and summed together
 _weights: dict[torch.device, torch.Tensor] = {}
 
 
@@ -28,26 +30,40 @@ def fingerprint(state: Any) -> bytes:
     and plain values)."""
     h = hashlib.blake2b(digest_size=16)
     sums: list[torch.Tensor] = []
+    batch: list[torch.Tensor] = []  # small tensors' bytes, summed as one (a pass per tensor costs more)
+    batched = 0
+
+    def flush() -> None:
+        nonlocal batched
+        if batch:
+            sums.append(_sums(torch.cat(batch) if len(batch) > 1 else batch[0]))
+            batch.clear()
+            batched = 0
+
     for path, value in _leaves("", state):
         h.update(path.encode())
-        if isinstance(value, torch.Tensor):
-            h.update(f"{value.dtype}{tuple(value.shape)}".encode())
-            sums.append(_sums(value))
-        else:
+        if not isinstance(value, torch.Tensor):
             h.update(repr(value).encode())
-    if sums:
-        # One host copy for all of them (a device state's sums are gathered on the device).
-        by_device: dict[torch.device, list[int]] = {}
-        for i, s in enumerate(sums):
-            by_device.setdefault(s.device, []).append(i)
-        host: list[torch.Tensor | None] = [None] * len(sums)
-        for idx in by_device.values():
-            stacked = torch.stack([sums[i] for i in idx]).cpu()
-            for j, i in enumerate(idx):
-                host[i] = stacked[j]
-        for pair in host:
-            assert pair is not None
-            h.update(pair.numpy().tobytes())
+            continue
+        h.update(f"{value.dtype}{tuple(value.shape)}".encode())
+        raw = _bytes(value)
+        if batch and batch[0].device != raw.device:
+            flush()
+        if raw.numel() >= _BATCH_BYTES:
+            flush()
+            sums.append(_sums(raw))
+        else:
+            batch.append(raw)
+            batched += raw.numel()
+            if batched >= _BATCH_BYTES:
+                flush()
+    flush()
+    # One host copy per device for all the sums.
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for pair in sums:
+        by_device.setdefault(pair.device, []).append(pair)
+    for device in sorted(by_device, key=str):
+        h.update(torch.stack(by_device[device]).cpu().numpy().tobytes())
     return h.digest()
 
 
@@ -62,23 +78,23 @@ def _leaves(path: str, value: Any) -> Iterator[tuple[str, Any]]:
         yield path, value
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s bits as a flat int64 tensor (one word per 8, 4, 2 or 1 bytes, whichever divides)."""
-    raw = t.detach().contiguous().reshape(-1)
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bits as a flat uint8 tensor (a view where `t` is contiguous)."""
+    raw = t.detach()
     if raw.is_complex():
-        raw = torch.view_as_real(raw).reshape(-1)
-    b = raw.view(torch.uint8) if raw.numel() else raw.new_empty(0, dtype=torch.uint8)
-    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if b.numel() % size == 0:
-            return b.view(dtype).to(torch.int64)
-    return b.to(torch.int64)
+        raw = torch.view_as_real(raw)
+    raw = raw.contiguous().reshape(-1)
+    return raw.view(torch.uint8) if raw.numel() else raw.new_empty(0, dtype=torch.uint8)
 
 
-def _sums(t: torch.Tensor) -> torch.Tensor:
-    """[plain sum, position-weighted sum] of `t`'s words, modulo 2**64, on `t`'s device."""
-    w = _words(t)
+def _sums(b: torch.Tensor) -> torch.Tensor:
+    """[plain sum, position-weighted sum] of the bytes `b` read as int64 words (zero-padded to
+    a whole word), modulo 2**64, on `b`'s device."""
+    if b.numel() % 8:
+        b = torch.cat([b, b.new_zeros(8 - b.numel() % 8)])
+    w = b.view(torch.int64)
     if w.numel() == 0:
-        return torch.zeros(2, dtype=torch.int64, device=t.device)
+        return torch.zeros(2, dtype=torch.int64, device=b.device)
     weights = _weights.get(w.device)
     if weights is None:
         weights = _weights[w.device] = torch.arange(1, 2 * _CHUNK, 2, dtype=torch.int64, device=w.device)

@@ -375,8 +375,8 @@ class Controller(Evidence):
             self._hook(event, info)
 
     def _begin(self, step: int) -> None:
-        self.integrity.baseline(self.committed, self._state)
         self._commits.begin(step, self._state, lambda: self.place.rank, self.applied_epoch)
+        self.integrity.begin(self.committed, self._state, self._commits.snapshot)
         self._step_started = time.monotonic()
         self._detector.progress(step, "compute")
         self._emit("step.start", step=step)

@@ -9,7 +9,8 @@ set is compared. Every member computes the same verdict from the same gathered b
 nothing more is exchanged:
 
 - **all agree**: this state is the newest agreed one; a private copy of it is kept in memory
-  (one copy of this member's state, replacing the previous one);
+  (one copy of this member's state, replacing the previous one: the commit protocol's
+  snapshot of the next step's start, which is this state, where it takes one);
 - **a mismatch**: a corrupted replica's gradients have already been averaged into every
   replica, so healing one replica from a peer is not enough: *every* member loads the agreed
   copy and the job redoes the steps since (the loop's `next_step` moves back). Where a strict
@@ -72,14 +73,24 @@ class Integrity:
             raise ValueError(f"fingerprint_every must be >= 0, got {every}")
         self.every = every
         self._emit = emit
-        self.agreed: tuple[int, dict[str, Any]] | None = None  # (committed step, private copy)
+        # (committed step, a private copy of the state then; None until the next step's start)
+        self.agreed: tuple[int, dict[str, Any] | None] | None = None
         self.named: Counter[int] = Counter()  # launch rank -> comparisons that named it
         self.verdicts: list[Verdict] = []  # every mismatch, in order
 
-    def baseline(self, committed: int, state: Stateful | None) -> None:
-        """Before the first comparison (and after a recovery moved the state): the state the
-        job starts from is the one to go back to."""
-        if self.every and self.agreed is None and state is not None:
+    def begin(
+        self, committed: int, state: Stateful | None, snapshot: tuple[int, dict[str, Any]] | None
+    ) -> None:
+        """A step starts, after `committed`: keep the state as the one to go back to where that
+        is due (the first step, or the first after a recovery: the baseline; the first after a
+        comparison that agreed). `snapshot`: the commit protocol's copy of this state, taken at
+        the step's start (`Commits.begin`); nobody changes it, so it is kept as is instead of
+        copied again."""
+        if not self.every or state is None or (self.agreed is not None and self.agreed[1] is not None):
+            return
+        if snapshot is not None and snapshot[0] == committed + 1:
+            self.agreed = (committed, snapshot[1])
+        else:
             self.agreed = (committed, copy.deepcopy(state.state_dict()))
 
     def forget(self) -> None:
@@ -107,9 +118,9 @@ class Integrity:
         prints = [bytes(t.tolist()) for t in gathered]
         verdict = judge(committed, prints, members, mesh)
         if verdict.agreed:
-            self.agreed = (committed, copy.deepcopy(state.state_dict()))
+            self.agreed = (committed, None)  # kept at the next step's start (`begin`)
         else:
-            assert self.agreed is not None, "baseline() runs before the first comparison"
+            assert self.agreed is not None and self.agreed[1] is not None, "begin() runs before every step"
             # A private copy again: load_state_dict may alias what it is given (optimizer state).
             state.load_state_dict(copy.deepcopy(self.agreed[1]))
             verdict.back_to = self.agreed[0]

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="resilient-comm bench integrity", description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=4, help="ranks, all dp replicas (default 4)")
     p.add_argument("--steps", type=int, default=400, help="steps per job (default 400)")
-    p.add_argument("--every", default="50,10", help="intervals to measure, comma-separated (default 50,10)")
+    p.add_argument("--every", default="100,50", help="intervals to measure, comma-separated (default 100,50)")
     p.add_argument("--rounds", type=int, default=3, help="rounds; every round runs each setting once")
     p.add_argument("--json", default=None, help="also write every job's figures here")
     p.add_argument("toy_args", nargs="*", help="more arguments for the toy (after --), e.g. --hidden 4000")
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         f"\nreplica fingerprints, {a.nproc} ranks (dp={a.nproc}), toy model {' '.join(a.toy_args) or '(demo default)'}, "
         f"{a.steps} steps x {a.rounds} rounds; {m.get('cpu_count', '?')} cpus"
     )
-    print(f"state copied per agreed comparison: {nbytes / 1e3:.1f} kB (one copy of this rank's state)")
+    print(f"state kept in memory to go back to: {nbytes / 1e3:.1f} kB (one copy of this rank's state)")
     print(
         f"{'every':>6} {'step ms':>9} {'compare ms':>11} {'per step':>9} {'% of step':>10} {'step / off':>11}"
     )
