@@ -65,7 +65,9 @@ namespace resilient_comm::env {
   X(kSlowFactor, "RESILIENT_COMM_SLOW_FACTOR", "10",                                             \
     "elastic: the dead-vs-slow bound's multiple of a rank's own p99 step time")                  \
   X(kFingerprintEvery, "RESILIENT_COMM_FINGERPRINT_EVERY", "100",                                \
-    "elastic: the dp replicas compare a fingerprint of their state every this many steps (0: never)")
+    "elastic: the dp replicas compare a fingerprint of their state every this many steps (0: never)") \
+  X(kPaceWindow, "RESILIENT_COMM_PACE_WINDOW", "0",                                            \
+    "elastic: fail-slow detection compares the members' compute every this many steps (0: off; try 20)")
 
 enum class Knob {
 #define RC_KNOB_ENUM(id, name, dflt, doc) id,

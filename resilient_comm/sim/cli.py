@@ -7,11 +7,18 @@ sensitivity to each assumption, a spare-pool sweep, a checkpoint-interval sweep 
 validation figures; ``--plot PATH`` writes a PNG (goodput against GPU count for each
 policy, waste against checkpoint interval); ``--json PATH`` writes the summaries.
 ``--recovery-json PATH`` replaces the stated recovery times with measured ones.
+
+``--gray`` prints instead the gray-failure table (:mod:`.gray_report`): each preset with slow
+nodes, then with silent data corruption, ignored and acted on, against fail-stop only,
+under the project's policy (``hot-spare``; ``--policy shrink`` for no spares); ``--report``
+adds the sensitivity to each gray assumption. The ``--slow-*`` and ``--sdc-*`` options
+replace the published figures and stated assumptions of :data:`~.presets.GRAY`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import pathlib
@@ -22,8 +29,10 @@ import numpy as np
 
 from resilient_comm.checkpoint.interval import expected_waste
 from resilient_comm.sim.engine import checkpoint_interval
+from resilient_comm.sim.gray import GrayFailures
+from resilient_comm.sim.gray_report import format_gray, format_gray_parameters, gray_rows, gray_sensitivity
 from resilient_comm.sim.model import Policy, Scenario
-from resilient_comm.sim.presets import FAILURE_RATES, PRESETS, preset, suggested_spare_nodes
+from resilient_comm.sim.presets import FAILURE_RATES, GRAY, PRESETS, preset, suggested_spare_nodes
 from resilient_comm.sim.report import (
     SWEEP_GPUS,
     Summary,
@@ -85,7 +94,71 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--plot", type=pathlib.Path, help="write a PNG plot here (needs matplotlib)")
     p.add_argument("--json", type=pathlib.Path, help="write the summaries here as JSON")
+    _gray_arguments(p)
     return p
+
+
+def _gray_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("gray failures (slow nodes, silent data corruption)")
+    g.add_argument("--gray", action="store_true", help="print the gray-failure table: ignore vs act")
+    g.add_argument("--slow-gpu-hours", type=float, help="GPU-hours per fail-slow episode (1,000,000)")
+    g.add_argument("--slow-minutes", type=float, help="mean fail-slow duration in minutes (72)")
+    g.add_argument("--slow-seen", type=float, help="share of episodes the pace judge can see (1)")
+    g.add_argument("--sdc-gpu-hours", type=float, help="GPU-hours per silent data corruption (3.54 M)")
+    g.add_argument("--sdc-notice-hours", type=float, help="hours until an ignored flip is noticed (2)")
+    g.add_argument("--sdc-visible", type=float, help="share of flips the replica comparison sees (1)")
+    g.add_argument(
+        "--sdc-repeat-hours", type=float, help="mean hours until a defective node flips again (24; 0: never)"
+    )
+    g.add_argument("--fingerprint-every", type=int, help="steps between replica comparisons (100)")
+    g.add_argument("--fingerprint-cost", type=float, help="comparison cost, fraction of compute (0.0055)")
+
+
+def _gray(a: argparse.Namespace) -> GrayFailures:
+    """:data:`GRAY` with the ``--slow-*`` / ``--sdc-*`` / ``--fingerprint-*`` options applied."""
+    slow: dict[str, object] = {}
+    sdc: dict[str, object] = {}
+    pick = [
+        (slow, "gpu_hours_per_episode", a.slow_gpu_hours, 1.0),
+        (slow, "mean_duration_s", a.slow_minutes, 60.0),
+        (slow, "detectable", a.slow_seen, 1.0),
+        (sdc, "gpu_hours_per_event", a.sdc_gpu_hours, 1.0),
+        (sdc, "notice_s", a.sdc_notice_hours, 3600.0),
+        (sdc, "visible", a.sdc_visible, 1.0),
+        (sdc, "every_steps", a.fingerprint_every, 1),
+        (sdc, "compare_cost", a.fingerprint_cost, 1.0),
+    ]
+    for changes, field, value, unit in pick:
+        if value is not None:
+            changes[field] = value * unit
+    if a.sdc_repeat_hours is not None:
+        sdc["repeat_s"] = a.sdc_repeat_hours * 3600.0 if a.sdc_repeat_hours > 0 else None
+    assert GRAY.slow is not None and GRAY.sdc is not None
+    return GrayFailures(
+        slow=dataclasses.replace(GRAY.slow, **slow),  # type: ignore[arg-type]
+        sdc=dataclasses.replace(GRAY.sdc, **sdc),  # type: ignore[arg-type]
+    )
+
+
+def _print_gray(jobs: list[Scenario], a: argparse.Namespace) -> int:
+    policies = [Policy(p) for p in a.policy] if a.policy else [Policy.HOT_SPARE]
+    if any(not p.in_process for p in policies):
+        print("resilient-comm sim: --gray acts in process: use --policy hot-spare or shrink", file=sys.stderr)
+        return 2
+    try:
+        gray = _gray(a)
+    except ValueError as e:
+        print(f"resilient-comm sim: {e}", file=sys.stderr)
+        return 2
+    print("## Gray failures: parameters\n")
+    print(format_gray_parameters(gray, jobs[0]))
+    for policy in policies:
+        print(f"\n## Gray failures under {policy.value} (% of wall time, mean over {a.seeds} seeds)\n")
+        print(format_gray([row for job in jobs for row in gray_rows(job, gray, policy, a.seeds, a.seed)]))
+        if a.report:
+            print(f"\n## Sensitivity of gray failures under {policy.value} (goodput %, {a.seeds} seeds)\n")
+            print(gray_sensitivity(jobs, gray, policy, a.seeds))
+    return 0
 
 
 def _configure(base: Scenario, a: argparse.Namespace) -> Scenario:
@@ -185,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"resilient-comm sim: {e}", file=sys.stderr)
         return 2
+    if a.gray:
+        return _print_gray(jobs, a)
     policies = [Policy(p) for p in a.policy] if a.policy else list(Policy)
 
     summaries: list[Summary] = []

@@ -38,9 +38,17 @@ Recovery (see :class:`~resilient_comm.sim.model.Policy`):
 A failure during a recovery starts a new recovery at once (Daly's assumption for
 restarts); once a full restart is under way, any failure restarts it.
 
+Gray failures (:mod:`.gray`, when the scenario has them) are one more event source: a
+:class:`~resilient_comm.sim.gray.GraySource` says when its next event is, the job's speed
+(its slowest node's: running progress is multiplied by it, the rest booked as ``slow``) and
+the replica comparison's share of compute time (``integrity``), and acts on the job through
+:meth:`_Job.evict_node` (a planned in-process recovery, no step redone), :meth:`_Job.redo`
+and :meth:`_Job.restart_from`.
+
 Draws come from three generators spawned from the seed (failure times, unabsorbable or
 not, lost fraction of a step), so every policy and every checkpoint interval sees the same
-sequence of random numbers: comparisons between them are paired, not independent.
+sequence of random numbers: comparisons between them are paired, not independent. Gray
+failures draw from a fourth, so adding them leaves the fail-stop failures as they were.
 """
 
 from __future__ import annotations
@@ -52,7 +60,8 @@ import math
 import numpy as np
 
 from resilient_comm.checkpoint.interval import daly_interval
-from resilient_comm.sim.model import LOSS_CAUSES, Policy, Scenario, SimResult
+from resilient_comm.sim.gray import GrayPolicy, GraySource
+from resilient_comm.sim.model import GRAY_CAUSES, LOSS_CAUSES, Policy, Scenario, SimResult
 
 __all__ = ["checkpoint_interval", "simulate"]
 
@@ -102,7 +111,7 @@ class _Phase:
 class _Job:
     """Mutable state of one run; :func:`simulate` is its only user."""
 
-    def __init__(self, scenario: Scenario, policy: Policy, seed: int) -> None:
+    def __init__(self, scenario: Scenario, policy: Policy, seed: int, gray: GrayPolicy) -> None:
         s = scenario
         self.s, self.policy, self.seed = s, policy, seed
         self.tau = checkpoint_interval(s, policy)
@@ -110,10 +119,11 @@ class _Job:
         self.dp, self.npr = s.mesh.dp, s.mesh.nodes_per_replica
         self.node_rate = s.node_failure_rate
         self.rec = s.recovery
-        hazard, kind, step = np.random.SeedSequence(seed).spawn(3)
+        hazard, kind, step, gray_seed = np.random.SeedSequence(seed).spawn(4)
         self.hazard_draws = _Draws(hazard, exponential=True)
         self.kind_draws = _Draws(kind, exponential=False)
         self.step_draws = _Draws(step, exponential=False)
+        self.gray = GraySource(s.gray, gray, s.step_s, self.dp, s.mesh.gpus_per_node, gray_seed)
 
         self.t = 0.0
         self.replicas = self.dp
@@ -125,7 +135,7 @@ class _Job:
         self.cycle_pos = 0.0  # position in the compute-then-write cycle, in [0, period)
         self.since_ckpt = 0.0  # progress since the last completed checkpoint
         self.useful = 0.0
-        self.lost = dict.fromkeys(LOSS_CAUSES, 0.0)
+        self.lost = dict.fromkeys(LOSS_CAUSES + GRAY_CAUSES, 0.0)
         self.failures = self.restarts = self.swaps = self.shrinks = self.grows = self.exhaustions = 0
         self.min_replicas = self.dp
 
@@ -137,9 +147,12 @@ class _Job:
             dt_fail = hazard / rate if rate > 0 else math.inf
             dt_repair = self.repairs[0] - self.t if self.repairs else math.inf
             dt_phase = self.phases[0].left if self.phases else math.inf
+            dt_gray = self.gray.next_dt(self) if self.gray.active else math.inf
             dt_end = end - self.t
-            dt = max(0.0, min(dt_end, dt_fail, dt_repair, dt_phase))
+            dt = max(0.0, min(dt_end, dt_fail, dt_repair, dt_phase, dt_gray))
             self._advance(dt)
+            if self.gray.active:
+                self.gray.elapse(dt)
             if dt == dt_end:
                 self.t = end
                 break
@@ -150,6 +163,9 @@ class _Job:
             elif dt == dt_repair:
                 hazard -= rate * dt
                 self._repair_back()
+            elif dt == dt_gray:
+                hazard -= rate * dt
+                self.gray.fire(self)
             else:
                 hazard = self.hazard_draws.next()
                 self._fail()
@@ -169,6 +185,7 @@ class _Job:
             grows=self.grows,
             spare_exhaustions=self.exhaustions,
             min_replicas=self.min_replicas,
+            gray_counts=self.gray.counts(),
         )
 
     def _advance(self, dt: float) -> None:
@@ -177,16 +194,20 @@ class _Job:
             self.phases[0].left -= dt
             return
         k = self.replicas / self.dp
+        speed, overhead = (self.gray.speed, self.gray.overhead) if self.gray.active else (1.0, 0.0)
+        gain = k * speed * (1.0 - overhead)  # progress per second of compute
         x0, x1 = self.cycle_pos, self.cycle_pos + dt
         computed = self._compute_until(x1) - self._compute_until(x0)
-        self.useful += k * computed
+        self.useful += gain * computed
+        self.lost["slow"] += k * (1.0 - speed) * computed
+        self.lost["integrity"] += k * speed * overhead * computed
         self.lost["checkpoint"] += k * (dt - computed)
         self.lost["shrunk"] += (1.0 - k) * dt
         last_write_end = math.floor(x1 / self.period) * self.period
         if last_write_end > x0:
-            self.since_ckpt = k * min(x1 - last_write_end, self.tau)
+            self.since_ckpt = gain * min(x1 - last_write_end, self.tau)
         else:
-            self.since_ckpt += k * computed
+            self.since_ckpt += gain * computed
         self.cycle_pos = x1 - last_write_end
 
     def _compute_until(self, x: float) -> float:
@@ -212,19 +233,7 @@ class _Job:
             else:
                 swapped = self._replace_or_shrink()
         if self.policy is Policy.RESTART_ALL or unabsorbable or self.restarting:
-            self._roll_back(self.since_ckpt)
-            self.cycle_pos = 0.0
-            self.restarting = True
-            self.restarts += 1
-            r = self.rec
-            self._start(
-                [
-                    _Phase("detection", r.restart_detect_s),
-                    _Phase("spare_wait", 0.0),
-                    _Phase("restart", r.restart_s),
-                    _Phase("restore", r.restore_s),
-                ]
-            )
+            self._restart()
             return
         if running and self.cycle_pos < self.tau:
             self._roll_back(self.replicas / self.dp * self.step_draws.next() * self.s.step_s)
@@ -235,6 +244,22 @@ class _Job:
         if owes_copy:
             phases.append(_Phase("restore", r.state_copy_s))
         self._start(phases)
+
+    def _restart(self) -> None:
+        """Lose the work since the last completed checkpoint; relaunch and reload it."""
+        self._roll_back(self.since_ckpt)
+        self.cycle_pos = 0.0
+        self.restarting = True
+        self.restarts += 1
+        r = self.rec
+        self._start(
+            [
+                _Phase("detection", r.restart_detect_s),
+                _Phase("spare_wait", 0.0),
+                _Phase("restart", r.restart_s),
+                _Phase("restore", r.restore_s),
+            ]
+        )
 
     def _replace_or_shrink(self) -> bool:
         """Node accounting of an absorbable failure in process; True if a spare took over."""
@@ -291,7 +316,58 @@ class _Job:
             self.grows += 1
             self._start([_Phase("grow", self.rec.rebuild_s + self.rec.state_copy_s)])
 
+    # --- what gray failures read and do (gray.GrayJob) ---------------------------------------
 
-def simulate(scenario: Scenario, policy: Policy | str, seed: int = 0) -> SimResult:
-    """Run ``scenario`` for ``scenario.days`` under ``policy``; deterministic in ``seed``."""
-    return _Job(scenario, Policy(policy), seed).run()
+    @property
+    def running(self) -> bool:
+        return not self.phases
+
+    @property
+    def nodes_held(self) -> int:
+        return self.replicas * self.npr
+
+    @property
+    def spares_waiting(self) -> int:
+        return self.idle if self.policy is Policy.HOT_SPARE else 0
+
+    def evict_node(self) -> None:
+        """A node leaves on purpose at a step boundary (slow, or named twice): it goes to
+        repair and a spare takes its place, or its replica leaves; no step is redone."""
+        self.repairs.append(self.t + self.s.replenish_s)
+        r = self.rec
+        phases = [_Phase("detection", r.detect_s), _Phase("rebuild", r.abort_s + r.rebuild_s)]
+        if self._replace_or_shrink():
+            phases.append(_Phase("restore", r.state_copy_s))
+        self._start(phases)
+
+    def redo(self, amount: float, cause: str) -> None:
+        """Take ``amount`` of progress back to compute again (past checkpoints if need be)."""
+        amount = max(0.0, min(amount, self.useful))
+        self.useful -= amount
+        self.lost[cause] += amount
+        self.since_ckpt = max(0.0, self.since_ckpt - amount)
+
+    def restart_from(self, progress: float, drained: int) -> None:
+        """Full restart from the checkpoint at ``progress`` (an older one than the last);
+        ``drained`` nodes go to repair and are replaced (or their replicas leave)."""
+        self.redo(self.useful - progress, "corruption")
+        self.since_ckpt = 0.0
+        for _ in range(drained):
+            self.repairs.append(self.t + self.s.replenish_s)
+            if self.policy is Policy.RESTART_ALL:
+                self.missing += 1
+            else:
+                self._replace_or_shrink()
+        self._restart()
+
+
+def simulate(
+    scenario: Scenario, policy: Policy | str, seed: int = 0, gray: GrayPolicy | str = GrayPolicy.IGNORE
+) -> SimResult:
+    """Run ``scenario`` for ``scenario.days`` under ``policy``, answering its gray failures (if
+    it has any) with ``gray``; deterministic in ``seed``. Acting on gray failures needs an
+    in-process policy (the controller does it)."""
+    gray = GrayPolicy(gray)
+    if gray is GrayPolicy.ACT and not Policy(policy).in_process and scenario.gray is not None:
+        raise ValueError("acting on gray failures needs an in-process policy (shrink or hot-spare)")
+    return _Job(scenario, Policy(policy), seed, gray).run()

@@ -11,6 +11,10 @@ tensor-/pipeline-parallel replica (``tp·pp`` GPUs) is atomic: it is whole nodes
 without a spare the replica holding the failed node leaves the job (see
 :mod:`resilient_comm.sim.engine` for the policies' exact semantics).
 
+Gray failures (a node that turns slow, a flipped bit: :mod:`.gray`) are part of a scenario
+too, absent unless set; what the job does about them is a
+:class:`~resilient_comm.sim.gray.GrayPolicy`, given to the run beside the :class:`Policy`.
+
 Recovery times are *stated parameters*, not measurements, until a benchmark writes them:
 :meth:`RecoveryTimes.from_json` replaces any subset of them from a JSON object whose keys
 are the field names below (``{"detect_s": 0.8, "rebuild_s": 4.0, "source": "bench ..."}``).
@@ -24,6 +28,8 @@ import json
 import math
 import pathlib
 from typing import Any
+
+from resilient_comm.sim.gray import GRAY_COUNTS, GrayFailures
 
 
 class Policy(str, enum.Enum):
@@ -157,7 +163,8 @@ class Scenario:
     take no node out of service but force a full restart from the checkpoint under every
     policy. ``ckpt_interval_s``: compute time between checkpoints; ``None`` picks Daly's
     optimum for the rate of failures that make the policy roll back, capped at
-    ``max_ckpt_interval_s`` (jobs checkpoint for other reasons too).
+    ``max_ckpt_interval_s`` (jobs checkpoint for other reasons too). ``gray``: slow nodes and
+    silent data corruption (:mod:`.gray`); none by default.
     """
 
     name: str
@@ -172,6 +179,7 @@ class Scenario:
     unabsorbable_fraction: float = 0.0
     ckpt_interval_s: float | None = None
     max_ckpt_interval_s: float = 3600.0
+    gray: GrayFailures | None = None
 
     def __post_init__(self) -> None:
         if not (self.gpu_hours_per_failure > 0 and self.days > 0 and self.ckpt_cost_s > 0):
@@ -210,7 +218,10 @@ class SimResult:
     ``detection``, ``restart`` (relaunch), ``rebuild`` (abort + new communicators),
     ``restore`` (checkpoint load or state copy to a spare), ``grow`` (pause to add a
     replica back), ``spare_wait`` (a restart waiting for a repaired node), ``shrunk``
-    (running with fewer replicas than the mesh).
+    (running with fewer replicas than the mesh); and, from gray failures (:data:`GRAY_CAUSES`),
+    ``slow`` (running at a slow node's pace), ``integrity`` (replica comparisons) and
+    ``corruption`` (work redone because of a flipped bit). ``gray_counts``: the gray events
+    and what was done about them (:data:`~resilient_comm.sim.gray.GRAY_COUNTS`).
     """
 
     scenario: str
@@ -228,6 +239,7 @@ class SimResult:
     grows: int
     spare_exhaustions: int
     min_replicas: int
+    gray_counts: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(GRAY_COUNTS, 0))
 
     @property
     def goodput(self) -> float:
@@ -246,3 +258,6 @@ LOSS_CAUSES: tuple[str, ...] = (
     "spare_wait",
     "shrunk",
 )
+
+GRAY_CAUSES: tuple[str, ...] = ("slow", "integrity", "corruption")
+"""Causes of lost time that only gray failures produce (:mod:`.gray`)."""

@@ -34,20 +34,56 @@ interval (≈ 9 min) and a 6 s step (16 M tokens per step at ≈ 400 TFLOPS per 
 reports. Other pairs give the same figure (10 s checkpoints with a 10 min restart, say):
 the reproduction shows the model is consistent with the published run, not that these
 exact values were Meta's.
+
+Gray failures (:data:`GRAY`; not part of the presets, ``resilient-comm sim --gray`` adds them;
+docs/sim.md has the derivations and what was tried around each assumption):
+
+- silent data corruption, rate: Llama 3's 54 days on 16,384 GPUs counted 6 interruptions
+  (1.4% of the 419 unexpected ones) as silent data corruption (Meta, "The Llama 3 Herd of
+  Models", 2024, Table 5): 21.2 M GPU-hours / 6 = one per 3.54 M GPU-hours. These are the flips
+  that were *noticed*; "Silent Data Corruptions at Scale" (Dixit et al., Meta, 2021: hundreds
+  of defective CPUs found by testing hundreds of thousands of machines) and "Cores that
+  don't count" (Hochschild et al., Google, HotOS 2021: a few mercurial cores per several
+  thousand machines, which corrupt repeatedly) say more go unseen.
+- silent data corruption, the rest: noticed 2 h after the flip when ignored (**assumption**;
+  no published figure found); a defective node corrupts again after 24 h on average
+  (**assumption**, after Hochschild et al.'s repeat offenders); the replicas compare every 100
+  steps at 0.55% of a step (**measured**, ``resilient-comm bench integrity``, the toy's 4.5 ms
+  steps on 2 CPUs: benchmarks/README.md); the comparison sees every flip (**assumption**: an
+  upper bound; it cannot see a gradient corrupted before the all-reduce).
+- fail-slow, durations: from tens of seconds to nearly ten hours, on average 72 min in jobs
+  of 512 GPUs or more, 10 min for computation fail-slows in single-node probes; one
+  1,024-GPU job ran at 10% of its normal throughput (Wu et al., "FALCON: Pinpointing and
+  Mitigating Stragglers for Large-Scale Hybrid-Parallel Training", Alibaba, arXiv 2410.12588,
+  2024; USENIX ATC 2025 as "Greyhound"). Exponential with a 72 min mean here.
+- fail-slow, speeds: 0.8 (half the episodes), 0.5 (30%), 0.33 (15%), 0.1 (5%). 0.33: straggling
+  that ByteDance traced to a faulty worker slowed its jobs 3.04x on average (Lin et al.,
+  "Understanding Stragglers in Large Model Training Using What-if Analysis", OSDI 2025);
+  0.1: FALCON's 10% case; 0.8 and 0.5 and all the weights are **assumptions**.
+- fail-slow, rate: one episode per 1 M GPU-hours (**assumption**: 21 in 54 days at 16K, 130 at
+  100K). Order of magnitude from ByteRobust (Wan et al., "Robust LLM Training
+  Infrastructure at ByteDance", SOSP 2025): over three months and 778,135 jobs on a fleet of
+  more than 200,000 GPUs, "MFU decline" was 0.8% of about 49,000 incidents, about 400: one per
+  ~1.1 M GPU-hours if the fleet was busy (figures as secondary summaries give them; not read
+  from the paper here).
 """
 
 from __future__ import annotations
 
 import math
 
+from resilient_comm.sim.gray import FailSlow, GrayFailures, SilentCorruption
 from resilient_comm.sim.model import Mesh, RecoveryTimes, Scenario
 
 __all__ = [
     "FAILURE_RATES",
+    "FAIL_SLOW",
     "GOALS",
+    "GRAY",
     "MEASURED_DETECT_S",
     "PRESETS",
     "PRESET_RECOVERY",
+    "SILENT_CORRUPTION",
     "STATED_RECOVERY",
     "preset",
     "suggested_spare_nodes",
@@ -77,6 +113,24 @@ PRESET_RECOVERY = STATED_RECOVERY.replaced(
         "the rest stated (project targets and a torchrun baseline)",
     }
 )
+
+FAIL_SLOW = FailSlow(
+    gpu_hours_per_episode=1_000_000.0,  # assumption; ByteRobust's MFU declines: ~1.1 M (see above)
+    speeds=((0.8, 0.5), (0.5, 0.3), (0.33, 0.15), (0.1, 0.05)),  # 0.33: OSDI'25 3.04x; 0.1: FALCON
+    mean_duration_s=72 * 60.0,  # FALCON: mean fail-slow in jobs of >= 512 GPUs
+)
+
+SILENT_CORRUPTION = SilentCorruption(
+    gpu_hours_per_event=16_384 * 54 * 24 / 6,  # Llama 3: 6 SDC interruptions, 54 days, 16,384 GPUs
+    notice_s=2 * 3600.0,  # assumption: a loss spike noticed and traced 2 h after the flip
+    every_steps=100,  # RESILIENT_COMM_FINGERPRINT_EVERY's default
+    compare_cost=0.0055,  # measured: bench integrity, 0.55% of a step at 100 (benchmarks/README.md)
+    visible=1.0,  # assumption (upper bound): every flip reaches the compared state
+    repeat_s=24 * 3600.0,  # assumption: a defective node corrupts again within a day on average
+)
+
+GRAY = GrayFailures(slow=FAIL_SLOW, sdc=SILENT_CORRUPTION)
+"""The gray failures ``resilient-comm sim --gray`` adds to the presets."""
 
 GOALS: dict[str, float] = {"llama3-16k": 0.985, "100k": 0.95}
 """The project's goodput goals for its own policy (``hot-spare``) on each preset."""

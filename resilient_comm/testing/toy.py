@@ -190,6 +190,14 @@ def _die(events: Events, why: str, step: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _burn(cpu_s: float) -> None:
+    """Compute that needs the CPU (a sleep does not): `cpu_s` of this thread's CPU time, in
+    short slices, so that a CPU quota or a busier core slows it as it would a real step."""
+    end = time.thread_time() + cpu_s
+    while time.thread_time() < end:
+        sum(range(2_000))
+
+
 def _flip_a_bit(trainer: Trainer, events: Events, step: int) -> None:
     """Silent data corruption, as a cosmic ray or a bad DIMM would leave it: one bit of one
     parameter's memory, changed in place (a mantissa bit of the first weight)."""
@@ -202,6 +210,7 @@ def _flip_a_bit(trainer: Trainer, events: Events, step: int) -> None:
 def run_elastic(a: argparse.Namespace) -> int:
     from resilient_comm.elastic import EXIT_EVICTED, Controller, Evicted, Mesh, RecoveryError
     from resilient_comm.elastic.model.env import ENV_SPARE
+    from resilient_comm.elastic.model.pace import PaceConfig
     from resilient_comm.elastic.state.transfer import digest
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -258,6 +267,14 @@ def run_elastic(a: argparse.Namespace) -> int:
         if event == "step.start" and flip_now.is_set():
             flip_now.clear()
             _flip_a_bit(trainer, events, info["step"])
+        if event == "pace.window":
+            events.write(
+                "pace", step=info["step"], speeds={str(r): round(x, 3) for r, x in info["speeds"].items()}
+            )
+        if event == "pace.slow":
+            events.write(
+                "slow", step=info["step"], slow=list(info["slow"]), leave=info["leave"], why=info["why"]
+            )
         if event == "integrity.agreed":
             events.write("agreed", step=info["step"], ms=info["ms"])
         if event == "integrity.mismatch":
@@ -302,6 +319,11 @@ def run_elastic(a: argparse.Namespace) -> int:
         checkpoint_every=a.ckpt_dir_every,
         warmup=warm_up if a.warmup_burn_ms else None,
         fingerprint_every=a.fingerprint_every,
+        pace=PaceConfig(
+            window=a.pace_window, slow_below=a.pace_slow_below, clear_above=max(0.95, a.pace_slow_below)
+        )
+        if a.pace_window is not None
+        else None,
     )
 
     def train_step(s: Any) -> None:
@@ -311,6 +333,8 @@ def run_elastic(a: argparse.Namespace) -> int:
         trainer.forward_backward(s.step, data_ids[mesh0.replica_of(ctl.slot)], tp_group)
         if a.step_ms:
             time.sleep(a.step_ms / 1e3)  # stands for a longer computation
+        if a.burn_ms:
+            _burn(a.burn_ms / 1e3)
         s.commit(trainer.opt.step, grads=trainer.grads())
         if a.trace and ctl.members[0] == rank:
             trace[s.step] = {"step": s.step, "state": copy.deepcopy(trainer.state_dict())}
@@ -465,6 +489,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--batch", type=int, default=8, help="samples per replica and step")
     p.add_argument("--step-ms", type=float, default=0.0, help="extra time per step standing for compute")
+    p.add_argument("--burn-ms", type=float, default=0.0, help="extra CPU time per step standing for compute")
     p.add_argument(
         "--warmup-burn-ms",
         type=float,
@@ -522,6 +547,18 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="elastic: compare the replicas' state every N steps (default: RESILIENT_COMM_FINGERPRINT_EVERY)",
+    )
+    p.add_argument(
+        "--pace-window",
+        type=int,
+        default=None,
+        help="elastic: fail-slow detection's window in steps (default: RESILIENT_COMM_PACE_WINDOW)",
+    )
+    p.add_argument(
+        "--pace-slow-below",
+        type=float,
+        default=0.9,
+        help="elastic: with --pace-window, slow under this speed",
     )
     p.add_argument("--baseline", action="store_true", help="plain gloo with checkpoint/restart (torchrun)")
     return p

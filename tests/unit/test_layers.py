@@ -68,3 +68,12 @@ def test_a_wrong_way_import_a_cycle_and_a_private_name_are_each_named(tmp_path: 
     assert ("import cycle: resilient_comm.elastic.model.planted_a -> resilient_comm.elastic.model.planted_b -> "
             "resilient_comm.elastic.model.planted_a") in err, err
     assert "resilient_comm/elastic/model/planted_c.py:1 imports the private name(s) _hidden" in err, err
+
+
+def test_test_modules_have_unique_basenames() -> None:
+    """pytest imports test modules by basename (rootdir-relative, no packages): two files of
+    one name in different folders stop the whole run at collection."""
+    seen: dict[str, pathlib.Path] = {}
+    for p in sorted((ROOT / "tests").rglob("test_*.py")):
+        assert p.name not in seen, f"{p.relative_to(ROOT)} and {seen[p.name].relative_to(ROOT)} share a basename"
+        seen[p.name] = p

@@ -1,9 +1,11 @@
 """The failure simulator: Young/Daly formulas, engine invariants, validation against
 published baselines (Llama 3's ≈90%, Daly's exact model, the optimal interval), speed,
-and the ``resilient-comm sim`` command."""
+gray failures (slow nodes, silent data corruption: ignored or acted on), and the
+``resilient-comm sim`` command."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -19,18 +21,26 @@ from resilient_comm.checkpoint.interval import (
     job_mtbf_s,
     young_interval,
 )
+from resilient_comm.elastic.model.pace import Pace, PaceConfig, PaceVerdict
 from resilient_comm.sim import (
+    GRAY,
     PRESETS,
+    FailSlow,
+    GrayFailures,
+    GrayPolicy,
     Mesh,
     Policy,
     Scenario,
+    SilentCorruption,
     checkpoint_interval,
     main,
     preset,
     simulate,
     suggested_spare_nodes,
 )
-from resilient_comm.sim.model import LOSS_CAUSES
+from resilient_comm.sim.gray import keep_slow_replica
+from resilient_comm.sim.gray_report import gray_rows
+from resilient_comm.sim.model import GRAY_CAUSES, LOSS_CAUSES
 from resilient_comm.sim.validation import (
     analytic_optima,
     daly_agreement,
@@ -98,7 +108,7 @@ def test_time_is_accounted_for_and_runs_are_reproducible(policy: Policy) -> None
     a, b, c = simulate(job, policy, 7), simulate(job, policy, 7), simulate(job, policy, 8)
     assert a == b
     assert a.goodput != c.goodput
-    assert set(a.lost_s) == set(LOSS_CAUSES)
+    assert set(a.lost_s) == set(LOSS_CAUSES + GRAY_CAUSES)
     assert a.useful_s + sum(a.lost_s.values()) == pytest.approx(a.wall_s, rel=1e-9)
     assert all(v >= 0 for v in a.lost_s.values())
     assert 0 < a.goodput < 1
@@ -261,6 +271,169 @@ def test_simulated_optimal_interval_agrees_with_young_and_daly(
     assert min(sweep.waste[0], sweep.waste[-1]) > 1.2 * min(sweep.waste)
 
 
+# --- gray failures: slow nodes, silent data corruption -------------------------------------
+
+_SLOW = FailSlow(gpu_hours_per_episode=20_000.0, speeds=((0.8, 0.5), (0.33, 0.5)), mean_duration_s=4 * 3600.0)
+_SDC = SilentCorruption(gpu_hours_per_event=20_000.0, notice_s=2 * 3600.0, compare_cost=0.0)
+
+
+def _gray(slow: FailSlow | None = None, sdc: SilentCorruption | None = None, **changes: object) -> Scenario:
+    """The small job with gray failures (about 24 slow episodes or flips in its 20 days)."""
+    return _small(gray=GrayFailures(slow=slow, sdc=sdc), **changes)
+
+
+@pytest.mark.timeout(20)
+def test_without_gray_events_the_result_is_the_fail_stop_one() -> None:
+    never = GrayFailures(
+        slow=dataclasses.replace(_SLOW, gpu_hours_per_episode=1e18),
+        sdc=dataclasses.replace(_SDC, gpu_hours_per_event=1e18),
+    )
+    for policy in Policy:
+        base = simulate(_small(), policy, 3)
+        assert simulate(_small(gray=never), policy, 3, GrayPolicy.IGNORE) == base
+        if policy.in_process:
+            assert simulate(_small(gray=never), policy, 3, GrayPolicy.ACT) == base
+    # Acting with nothing to act on still pays for the comparisons, and only for them.
+    assert never.sdc is not None
+    compared = _small(gray=GrayFailures(sdc=dataclasses.replace(never.sdc, compare_cost=0.0055)))
+    base = simulate(_small(), Policy.HOT_SPARE, 3)
+    r = simulate(compared, Policy.HOT_SPARE, 3, GrayPolicy.ACT)
+    assert r.lost_s["integrity"] == pytest.approx(0.0055 * base.useful_s, rel=0.01)
+    assert r.goodput == pytest.approx(base.goodput * (1 - 0.0055), rel=1e-3)
+    assert r.failures == base.failures
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("response", list(GrayPolicy))
+@pytest.mark.parametrize("kind", ["slow", "sdc"])
+def test_gray_runs_are_reproducible_and_account_for_all_time(kind: str, response: GrayPolicy) -> None:
+    job = _gray(slow=_SLOW) if kind == "slow" else _gray(sdc=dataclasses.replace(_SDC, repeat_s=3600.0))
+    a, b, c = (simulate(job, Policy.HOT_SPARE, seed, response) for seed in (5, 5, 6))
+    assert a == b
+    assert a.goodput != c.goodput
+    assert a.useful_s + sum(a.lost_s.values()) == pytest.approx(a.wall_s, rel=1e-9)
+    assert all(v >= 0 for v in a.lost_s.values())
+    events = a.gray_counts["slow_episodes" if kind == "slow" else "sdc_events"]
+    assert events > 10
+    # Gray failures draw from their own stream: the fail-stop failures are the same ones.
+    assert abs(a.failures - simulate(_small(), Policy.HOT_SPARE, 5).failures) <= 3
+
+
+@pytest.mark.timeout(20)
+def test_acting_on_slow_nodes_beats_ignoring_them_when_detection_is_fast() -> None:
+    fast = _gray(slow=dataclasses.replace(_SLOW, window=1, patience=1))
+    for seed in range(3):
+        ignored = simulate(fast, Policy.HOT_SPARE, seed, GrayPolicy.IGNORE)
+        acted = simulate(fast, Policy.HOT_SPARE, seed, GrayPolicy.ACT)
+        assert acted.goodput > ignored.goodput
+        assert acted.lost_s["slow"] < ignored.lost_s["slow"] / 20
+        assert ignored.gray_counts["slow_handovers"] == 0 and ignored.lost_s["slow"] > 0
+        assert acted.gray_counts["slow_handovers"] >= 0.9 * acted.gray_counts["slow_episodes"]
+
+
+@pytest.mark.timeout(20)
+def test_acting_on_corruption_beats_ignoring_it_when_comparisons_are_frequent() -> None:
+    job = _gray(sdc=dataclasses.replace(_SDC, every_steps=10))
+    interval = 10 * job.step_s
+    for seed in range(3):
+        ignored = simulate(job, Policy.HOT_SPARE, seed, GrayPolicy.IGNORE)
+        acted = simulate(job, Policy.HOT_SPARE, seed, GrayPolicy.ACT)
+        assert acted.goodput > ignored.goodput
+        # act: every member goes back to the last agreed state, one interval on average.
+        rollbacks = acted.gray_counts["sdc_rollbacks"]
+        assert rollbacks == acted.gray_counts["sdc_events"] > 10
+        assert acted.lost_s["corruption"] / rollbacks == pytest.approx(interval, rel=0.25)
+        # ignore: back to the checkpoint before the flip, noticed 2 h later, then a full restart.
+        restarts = ignored.gray_counts["sdc_restarts"]
+        assert 0 < restarts <= ignored.gray_counts["sdc_events"] and ignored.restarts >= restarts
+        per_restart = ignored.lost_s["corruption"] / restarts
+        assert 0.8 * 7200 < per_restart < 7200 + checkpoint_interval(job, Policy.HOT_SPARE)
+
+
+@pytest.mark.timeout(10)
+def test_the_evict_rule_without_a_spare_is_dp_minus_one_over_dp_less_the_margin() -> None:
+    for dp in (2, 4, 8, 128):
+        threshold = (dp - 1) / dp - 0.05
+        assert keep_slow_replica(threshold + 1e-9, dp, 0.05)
+        assert not keep_slow_replica(threshold - 1e-3, dp, 0.05)
+    assert keep_slow_replica(0.01, 1, 0.05)  # one replica: nothing to drop it for
+    # The same decisions as the controller's pace judge.
+    for dp in (2, 3, 4, 8):
+        for s in np.linspace(0.3, 0.95, 27):
+            speeds = {0: float(s), **{r: 1.0 for r in range(1, dp)}}
+            v = PaceVerdict(step=0, speeds=speeds, slow={0: float(s)})
+            Pace(PaceConfig()).act(v, {r: r for r in range(dp)}, dp, spares=0)
+            assert (v.leave == [0]) == (not keep_slow_replica(float(s), dp, 0.05)), (dp, s)
+
+
+@pytest.mark.timeout(20)
+def test_without_a_spare_a_slow_replica_is_dropped_only_under_dp_minus_one_over_dp() -> None:
+    # shrink: no spare ever waits (under hot-spare, a shrunk replica's healthy nodes would).
+    mesh = Mesh(tp=8, pp=2, dp=4)  # 4 replicas: dropped under (4-1)/4 - 0.05 = 0.70
+    for speed, dropped in ((0.8, False), (0.5, True)):
+        slow = dataclasses.replace(_SLOW, gpu_hours_per_episode=1000.0, speeds=((speed, 1.0),))
+        job = _gray(slow=slow, mesh=mesh)
+        acted = simulate(job, Policy.SHRINK, 1, GrayPolicy.ACT)
+        ignored = simulate(job, Policy.SHRINK, 1, GrayPolicy.IGNORE)
+        assert acted.gray_counts["slow_episodes"] > 10 and acted.gray_counts["slow_handovers"] == 0
+        assert (acted.gray_counts["slow_drops"] > 0) is dropped
+        if not dropped:  # kept, and judged again every window: acting changed nothing
+            assert acted.goodput == pytest.approx(ignored.goodput, rel=1e-12)
+    # The rule compares speeds at one instant. Dropping pays when the slowness outlasts the
+    # shrink (until idle nodes make a replica again: here a node back from 24 h of repair),
+    # and loses when the slowness is short.
+    for mean_s, pays in ((10 * 86400.0, True), (3600.0, False)):
+        slow = dataclasses.replace(
+            _SLOW, gpu_hours_per_episode=1000.0, speeds=((0.5, 1.0),), mean_duration_s=mean_s
+        )
+        job = _gray(slow=slow, mesh=mesh)
+        acted = simulate(job, Policy.SHRINK, 1, GrayPolicy.ACT)
+        ignored = simulate(job, Policy.SHRINK, 1, GrayPolicy.IGNORE)
+        assert (acted.goodput > ignored.goodput) is pays, mean_s
+
+
+@pytest.mark.timeout(10)
+def test_fail_slow_mirrors_the_pace_judges_defaults() -> None:
+    cfg = PaceConfig()
+    assert (_SLOW.window, _SLOW.patience, _SLOW.slow_below, _SLOW.evict_margin) == (
+        cfg.window,
+        cfg.patience,
+        cfg.slow_below,
+        cfg.evict_margin,
+    )
+
+
+@pytest.mark.timeout(20)
+def test_a_replica_named_twice_is_evicted_only_where_a_majority_can_name_it() -> None:
+    sdc = dataclasses.replace(_SDC, every_steps=10, repeat_s=3600.0)
+    many = simulate(_gray(sdc=sdc), Policy.HOT_SPARE, 2, GrayPolicy.ACT)
+    assert 0 < many.gray_counts["sdc_evictions"] <= many.gray_counts["sdc_rollbacks"] / 2
+    assert many.spare_swaps > many.failures  # each eviction took a spare
+    sdc = dataclasses.replace(sdc, gpu_hours_per_event=1000.0)  # a 32-GPU job: as many flips
+    two = simulate(_gray(sdc=sdc, mesh=Mesh(tp=8, pp=2, dp=2)), Policy.HOT_SPARE, 2, GrayPolicy.ACT)
+    assert two.gray_counts["sdc_rollbacks"] > 10 and two.gray_counts["sdc_evictions"] == 0
+
+
+@pytest.mark.timeout(10)
+def test_gray_failures_reject_nonsense() -> None:
+    with pytest.raises(ValueError, match="in-process"):
+        simulate(_gray(slow=_SLOW), Policy.RESTART_ALL, 0, GrayPolicy.ACT)
+    with pytest.raises(ValueError, match="sum to 1"):
+        dataclasses.replace(_SLOW, speeds=((0.5, 0.5),))
+    with pytest.raises(ValueError, match="visible"):
+        dataclasses.replace(_SDC, visible=1.5)
+
+
+@pytest.mark.timeout(30)
+def test_acting_beats_ignoring_on_the_100k_preset() -> None:
+    rows = gray_rows(PRESETS["100k"].with_(days=20.0), GRAY, Policy.HOT_SPARE, seeds=2)
+    assert rows[0].kind is None and rows[0].lost == 0.0
+    goodput = {(r.kind, r.response): r.goodput for r in rows[1:]}
+    for kind in ("fail-slow", "SDC"):
+        assert goodput[(kind, GrayPolicy.ACT)] > goodput[(kind, GrayPolicy.IGNORE)]
+        assert all(r.lost > 0 for r in rows[1:] if r.kind == kind)
+
+
 # --- speed and the command ----------------------------------------------------------------
 
 
@@ -315,6 +488,22 @@ def test_sim_command_rejects_bad_input(tmp_path: pathlib.Path, capsys: pytest.Ca
     assert main(["--seeds", "0"]) == 2
     with pytest.raises(SystemExit):
         main(["--preset", "1m"])
+    assert main(["--gray", "--policy", "restart-all"]) == 2
+    assert "in process" in capsys.readouterr().err
+    assert main(["--gray", "--sdc-visible", "2"]) == 2
+    assert "visible" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+def test_sim_gray_command_prints_ignore_and_act_for_each_kind(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--gray", "--preset", "llama3-16k", "--seeds", "1", "--days", "10", "--sdc-notice-hours", "4"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "| llama3-16k | 16,384 | none (fail-stop only) | — | **" in text
+    for kind in ("fail-slow", "SDC"):
+        for response in GrayPolicy:
+            assert f"| llama3-16k | 16,384 | {kind} | {response.value} | **" in text
+    assert "noticed 4 h after the flip" in text
 
 
 @pytest.mark.timeout(60)

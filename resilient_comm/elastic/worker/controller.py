@@ -82,6 +82,7 @@ from resilient_comm.config import knob_int
 from resilient_comm.elastic.membership.protocol import Membership, connect
 from resilient_comm.elastic.model.bounds import DetectorConfig
 from resilient_comm.elastic.model.env import ENV_AGENT, ENV_NAMESPACE, ENV_SPARE, ENV_STORE
+from resilient_comm.elastic.model.pace import PaceConfig
 from resilient_comm.elastic.model.policy import Mesh
 from resilient_comm.elastic.model.records import Decision, Gone, JoinRecord, now
 from resilient_comm.elastic.model.timeline import Timeline
@@ -95,12 +96,14 @@ from resilient_comm.elastic.worker.errors import Evicted, RecoveryError
 from resilient_comm.elastic.worker.evidence import Evidence
 from resilient_comm.elastic.worker.groups import Groups, build_groups
 from resilient_comm.elastic.worker.integrity import Integrity
+from resilient_comm.elastic.worker.pace_watch import PaceWatch
 from resilient_comm.elastic.worker.rejoin import (
     await_decision,
     catch_up,
     decide_with_checkpoints,
     enter,
     wait_placed,
+    waiting_spares,
 )
 from resilient_comm.elastic.worker.timelines import Timelines
 
@@ -161,6 +164,7 @@ class Controller(Evidence):
         warmup: Callable[[], Any] | None = None,
         shard_dp: bool = False,
         fingerprint_every: int | None = None,
+        pace: PaceConfig | None = None,
     ) -> None:
         """`state`: the state provider (``state_dict``/``load_state_dict``: a module, a
         `TrainState`, ...), or a factory called with this process's `Place` once it is known
@@ -175,7 +179,9 @@ class Controller(Evidence):
         the groups, before its state is restored: it re-creates its model over the new mesh.
         `fingerprint_every`: the dp replicas compare a fingerprint of their state after every
         this many committed steps, and on a mismatch every member goes back to the newest state
-        they agreed on (`integrity`; 0: never; None: ``RESILIENT_COMM_FINGERPRINT_EVERY``)."""
+        they agreed on (`integrity`; 0: never; None: ``RESILIENT_COMM_FINGERPRINT_EVERY``).
+        `pace`: fail-slow detection (`model/pace.py`: the window, thresholds and margin; None:
+        ``RESILIENT_COMM_PACE_WINDOW`` and the defaults)."""
         env = os.environ
         missing = [k for k in ("RANK", "WORLD_SIZE", ENV_STORE, ENV_NAMESPACE, ENV_AGENT) if k not in env]
         if missing:
@@ -205,6 +211,7 @@ class Controller(Evidence):
         if fingerprint_every is None:
             fingerprint_every = knob_int("RESILIENT_COMM_FINGERPRINT_EVERY", 0)
         self.integrity = Integrity(fingerprint_every, self._emit)
+        self.pace = PaceWatch(pace or PaceConfig.from_env(), self.rank)
         store = connect(env[ENV_STORE], self._timeout)
         self._m = Membership(store, env[ENV_NAMESPACE])
         initial = Decision(0, list(range(world)), Mesh.for_world(world, tp, pp).as_dict(), "init", start_step)
@@ -382,37 +389,29 @@ class Controller(Evidence):
         self._emit("step.start", step=step)
 
     def _commit(self, step: int, apply: Callable[[], Any], grads: Sequence[torch.Tensor]) -> None:
+        self.pace.note(time.monotonic() - self._step_started)  # its own work, before any wait
         self._detector.progress(step, "sync")
         g = self.groups
         self._commits.commit(step, apply, grads, g.dp, self.mesh.dp, g.world, self._vote_device)
         self._detector.step_done(time.monotonic() - self._step_started)
         self._timelines.first_commit(self._lock, self._detector.report)
         self._emit("step.committed", step=step)
+        # Gray failures, judged alike by every member at the same step's end.
         if self.integrity.due(step) and self._state is not None:
-            self._compare(step)
-
-    def _compare(self, step: int) -> None:
-        """The replicas compare their state after `step` (`integrity`); on a mismatch this
-        member is already back at the agreed step, and the loop goes on from there."""
-        v = self.integrity.compare(step, self._state, self.groups.world, self.members, self.mesh)  # type: ignore[arg-type]
-        if v.agreed:
-            self._emit("integrity.agreed", step=step, ms=v.ms)
-            return
-        named = f"diverged: rank(s) {v.named}" if v.named else "no majority names a replica"
-        log.warning(
-            "rank %d: the replicas' state differs after step %d (%s); every member goes back to step %d",
-            self.rank,
-            step,
-            named,
-            v.back_to,
-        )
-        self._commits.rewind(v.back_to)
-        self._emit("integrity.mismatch", step=step, back_to=v.back_to, diverged=v.named)
-        if self.rank in v.named and self.integrity.named[self.rank] >= 2:
-            raise Evicted(
-                f"rank {self.rank}'s replica diverged from its peers {self.integrity.named[self.rank]} "
-                f"times (the last after step {step}): treated as failing, it leaves the job"
+            back_to = self.integrity.check(
+                step, self._state, self.groups.world, self.members, self.mesh, self.rank
             )
+            if back_to is not None:  # the steps since the agreed state run again
+                self._commits.rewind(back_to)
+                self.pace.forget(self.members)  # this window's times go with them
+                return
+        if self.pace.due():
+            spares = lambda: len(waiting_spares(self._m, self._decision))  # noqa: E731
+            leave = self.pace.window_end(step, self.groups.world, self.members, self.mesh, spares, self._emit)
+            if leave:  # they left (`Evicted`); the others recover on purpose: nothing failed
+                self._recover(
+                    RuntimeError(f"planned: slow rank(s) {leave} left after step {step}"), op_error=False
+                )
 
     # -- failure evidence (detector threads) ----------------------------------------------
 
@@ -529,6 +528,7 @@ class Controller(Evidence):
             old, self._held, self._watching = self._held, [], set(d.members)
         self.applied_epoch, self._decision, self._ready = d.epoch, d, False
         self.integrity.forget()  # the replicas and their shards may have changed
+        self.pace.forget(d.members)
         self._resolve_state()
         # Watch the new members from the start of the build: a spare that froze while it waited
         # (it heartbeats, but nobody watched it) is suspected by silence instead of holding the

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from resilient_comm.elastic.model.policy import Mesh
 from resilient_comm.elastic.state.fingerprint import fingerprint
 from resilient_comm.elastic.state.provider import Stateful
+from resilient_comm.elastic.worker.errors import Evicted
 
 log = logging.getLogger("resilient_comm.elastic")
 
@@ -100,6 +101,32 @@ class Integrity:
 
     def due(self, committed: int) -> bool:
         return self.every > 0 and (committed + 1) % self.every == 0
+
+    def check(
+        self, step: int, state: Stateful, world: dist.ProcessGroup, members: list[int], mesh: Mesh, rank: int
+    ) -> int | None:
+        """The comparison after `step`, as the controller runs it: None where the replicas
+        agree; on a mismatch, the step the state went back to (logged, and the hook's
+        ``integrity.mismatch``). Launch rank `rank` named a second time raises `Evicted`."""
+        v = self.compare(step, state, world, members, mesh)
+        if v.agreed:
+            self._emit("integrity.agreed", step=step, ms=v.ms)
+            return None
+        named = f"diverged: rank(s) {v.named}" if v.named else "no majority names a replica"
+        log.warning(
+            "rank %d: the replicas' state differs after step %d (%s); every member goes back to step %d",
+            rank,
+            step,
+            named,
+            v.back_to,
+        )
+        self._emit("integrity.mismatch", step=step, back_to=v.back_to, diverged=v.named)
+        if rank in v.named and self.named[rank] >= 2:
+            raise Evicted(
+                f"rank {rank}'s replica diverged from its peers {self.named[rank]} times (the last after "
+                f"step {step}): treated as failing, it leaves the job"
+            )
+        return v.back_to
 
     def compare(
         self,

@@ -85,12 +85,17 @@ def decide_epoch(
     *,
     sharded: bool = False,
 ) -> Decision:
-    """`decide` with the spares that registered, were never placed and are not gone."""
-    candidates = [r for r in m.spares() if r not in set(base.used_spares)]
-    spares = [r for r in candidates if r not in m.gone(candidates)]
+    """`decide` with the spares that wait (`waiting_spares`)."""
+    spares = waiting_spares(m, base)
     return decide(
         epoch, base, joined, gone, m.done(base.members), spares, latest_checkpoint, by, sharded=sharded
     )
+
+
+def waiting_spares(m: Membership, base: Decision) -> list[int]:
+    """The spares that registered, were never placed (by `base` or before) and are not gone."""
+    candidates = [r for r in m.spares() if r not in set(base.used_spares)]
+    return [r for r in candidates if r not in m.gone(candidates)]
 
 
 def decide_with_checkpoints(
