@@ -167,6 +167,18 @@ def check_survivors(job: Job, survivors: list[int], placed: tuple[int, ...] = ()
     return finals
 
 
+def check_fenced(job: Job, node: int, cut: float) -> float:
+    """Node `node` fenced itself (its launcher and workers exit EXIT_EVICTED), every other node
+    finished; returns the time from `cut` to its last worker's eviction."""
+    status = job.wait(list(range(NODES)))
+    others = [i for i in range(NODES) if i != node]
+    assert status[node] == EXIT_EVICTED and all(status[i] == 0 for i in others), (status, job.log(node)[-3000:])
+    evicted = [e for e in read_events(job.events) if e["event"] == "evicted"]
+    ranks = list(range(node * PER_NODE, (node + 1) * PER_NODE))
+    assert sorted(e["rank"] for e in evicted) == ranks and all("fenced" in e["why"] for e in evicted), evicted
+    return max(e["t"] for e in evicted) - cut
+
+
 @pytest.mark.timeout(300)
 def test_a_partitioned_node_is_fenced_within_its_lease_and_the_majority_goes_on(partition_job: Job) -> None:
     job = partition_job
@@ -175,11 +187,7 @@ def test_a_partitioned_node_is_fenced_within_its_lease_and_the_majority_goes_on(
     job.c.partition(1)  # node 1 runs ranks 2, 3 and etcd member e1: both cut off
     cut = time.time()
     job.go()
-    status = job.wait([0, 1, 2, 3])
-    assert status[1] == EXIT_EVICTED and all(status[i] == 0 for i in (0, 2, 3)), (status, job.log(1)[-3000:])
-    evicted = [e for e in read_events(job.events) if e["event"] == "evicted"]
-    assert sorted(e["rank"] for e in evicted) == [2, 3] and all("fenced" in e["why"] for e in evicted), evicted
-    fenced_after = max(e["t"] for e in evicted) - cut
+    fenced_after = check_fenced(job, 1, cut)
     print(f"[nodes] partition -> node fenced: {fenced_after:.2f} s")
     assert fenced_after < PARTITION_LEASE_S + 1.0, f"node 1 fenced {fenced_after:.2f} s after the partition"
     ds = job.decisions()
@@ -329,11 +337,7 @@ def test_a_link_down_for_longer_than_the_lease_is_a_partition_and_the_node_stays
     """Node 3's link down for longer than its lease, then up: it fenced itself, the others
     went on without it, and its return changes nothing."""
     cut = _flap(job, 3, LEASE_S + 1.0)
-    status = job.wait(list(range(NODES)))
-    assert status[3] == EXIT_EVICTED and all(status[i] == 0 for i in range(3)), (status, job.log(3)[-3000:])
-    evicted = [e for e in read_events(job.events) if e["event"] == "evicted"]
-    assert sorted(e["rank"] for e in evicted) == [6, 7] and all("fenced" in e["why"] for e in evicted), evicted
-    fenced_after = max(e["t"] for e in evicted) - cut
+    fenced_after = check_fenced(job, 3, cut)
     print(f"[nodes] link down {LEASE_S + 1.0:.1f} s -> node fenced after {fenced_after:.2f} s")
     assert fenced_after < LEASE_S + 1.0, f"node 3 fenced {fenced_after:.2f} s after the cut"
     ds = job.decisions()
