@@ -209,10 +209,10 @@ c10::intrusive_ptr<ResilientBackend> ResilientBackend::join(const c10::intrusive
       t = DeviceTransports::find(backendName, c10::DeviceType::CPU);
     } else {
       // The members' library names the device type: the entry of this backend that grows with it.
-      for (c10::DeviceType type : {c10::DeviceType::CUDA, c10::DeviceType::PrivateUse1}) {
-        auto found = DeviceTransports::find(backendName, type);
-        if (found && found->growth && lowered(found->library) == grows) {
-          t = found;
+      for (const auto& entry : DeviceTransports::all()) {
+        if (entry->backend == backendName && entry->deviceType != c10::DeviceType::CPU && entry->growth &&
+            lowered(entry->library) == grows) {
+          t = DeviceTransports::find(backendName, entry->deviceType);  // (enabled)
         }
       }
       if (t && (!device || device->type() != t->deviceType)) {
