@@ -163,6 +163,14 @@ PYBIND11_MODULE(_C, m) {
              return tcp != nullptr ? tcp->shmPeers() : std::vector<int>{};
            },
            "ranks of this group whose large payloads go through shared memory (RESILIENT_COMM_SHM)")
+      .def("receive_rates",
+           [](const ResilientBackend& b) {
+             auto* tcp = dynamic_cast<const resilient_comm::tcp::TcpCommunicator*>(b.cpuComm().get());
+             return tcp != nullptr ? tcp->receiveRates() : std::vector<std::pair<int, std::vector<uint32_t>>>{};
+           },
+           "the large frames received through the socket, by rate: [(rank, counts per bucket)] for the ranks "
+           "that sent any; bucket b holds rates from 2**(20 + b/4) bytes/s (csrc/transport/tcp/transfer.h); "
+           "empty if the communicator is not TCP")
       .def("reused_connections",
            [](const ResilientBackend& b) {
              auto* tcp = dynamic_cast<const resilient_comm::tcp::TcpCommunicator*>(b.cpuComm().get());

@@ -10,16 +10,17 @@ of its slowest rank, so while any node of the job is slow, the job's progress is
 by the lowest ``s`` (the loss is booked as ``slow``).
 
 - ``ignore``: the episode lasts its natural duration.
-- ``act``: what resilient_comm's pace judge does (elastic/model/pace.py). A node is found slow
-  after ``patience`` whole windows of ``window`` steps under ``slow_below``; its steps run at
-  its pace, so that takes ``(patience + u)·window·step_s / s`` seconds, ``u`` being the onset's
-  place in its window. With a hot spare waiting, the spare takes the node's place in a planned
+- ``act``: what resilient_comm's pace judge does (elastic/model/pace.py). A node under
+  ``sure_below`` is found slow after ``patience`` whole windows of ``window`` steps, one under
+  ``slow_below`` once most of the last ``horizon`` windows were slow (``horizon // 2 + 1``);
+  its steps run at its pace, so that takes ``(windows + u)·window·step_s / s`` seconds, ``u``
+  being the onset's place in its window. With a hot spare waiting, the spare takes the node's place in a planned
   handover: an in-process recovery (detect, abort + rebuild, state copy) with no step redone.
   Without one, the node's replica is dropped only if ``s < (r-1)/r - evict_margin`` with ``r``
   replicas. Otherwise the node is kept, and judged again every window. A node that leaves goes
-  to repair like a failed one. The judge times each rank's own compute, so it cannot see a slow
-  link (every rank then waits alike): ``1 - detectable`` of the episodes are left alone under
-  both policies.
+  to repair like a failed one. The judge times each rank's own compute: a slow link (every
+  rank then waits alike) is reported as one, and nobody is evicted for it; ``1 - detectable``
+  of the episodes are left alone under both policies.
 
 **Silent data corruption** (:class:`SilentCorruption`). A flipped bit in one node's share of
 the state, while the job computes. A node that corrupted once is defective: it corrupts
@@ -94,6 +95,8 @@ class FailSlow:
     patience: int = 2
     slow_below: float = 0.9
     evict_margin: float = 0.05
+    sure_below: float = 0.6
+    horizon: int = 12
 
     def __post_init__(self) -> None:
         _check(
@@ -272,7 +275,8 @@ class _SlowRanks(_Process):
         self.counts["slow_episodes"] += 1
         self.timers.push(job.t - self.spec.mean_duration_s * math.log1p(-length), "end", episode)
         if self.act and seen < self.spec.detectable and s < self.spec.slow_below:
-            windows = self.spec.patience + onset
+            sure = s < self.spec.sure_below
+            windows = (self.spec.patience if sure else self.spec.horizon // 2 + 1) + onset
             self.timers.push(job.t + windows * self._window_s(s), "judge", episode)
 
     def _window_s(self, s: float) -> float:

@@ -135,8 +135,9 @@ def format_gray_parameters(gray: GrayFailures, job: Scenario) -> str:
         lines += [
             f"- fail-slow: one episode per {f.gpu_hours_per_episode:,.0f} GPU-hours; speed {speeds}; "
             f"exponential duration, mean {f.mean_duration_s / 60:g} min; {100 * f.detectable:g}% seen by the pace judge",
-            f"- fail-slow, act: found after {f.patience} windows of {f.window} steps under {f.slow_below:g} "
-            f"({f.patience * f.window * job.step_s / 60:g} min at full speed, longer at the slow pace); a spare takes "
+            f"- fail-slow, act: found after {f.patience} windows of {f.window} steps under {f.sure_below:g} "
+            f"({f.patience * f.window * job.step_s / 60:g} min at full speed, longer at the slow pace), or once "
+            f"{f.horizon // 2 + 1} of the last {f.horizon} windows were under {f.slow_below:g}; a spare takes "
             f"its place, else its replica is dropped if s < (r-1)/r - {f.evict_margin:g}",
         ]
     if gray.sdc is not None:

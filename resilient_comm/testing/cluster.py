@@ -244,5 +244,43 @@ class NetnsCluster:
     def heal(self, i: int) -> None:
         _ip("link", "set", self.veth(i), "up")
 
+    def limit(self, i: int, mbit: float) -> None:
+        """Node i's link slowed to `mbit` megabits per second each way (a token bucket, `tc
+        tbf`, on both ends of its veth; this kernel has no netem): a degraded NIC or a
+        flapping optical module's lower rate. Nothing is dropped beyond what the bucket's
+        queue (50 ms) cannot hold."""
+        rate = f"{mbit:g}mbit"
+        burst = str(max(1600, int(mbit * 1e6 / 8 / 250)))  # 4 ms of the rate, at least a frame
+        for where in ([], ["-n", self.ns(i)]):
+            dev = "eth0" if where else self.veth(i)
+            subprocess.run(
+                [
+                    "tc",
+                    *where,
+                    "qdisc",
+                    "replace",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    rate,
+                    "burst",
+                    burst,
+                    "latency",
+                    "50ms",
+                ],
+                check=True,
+                capture_output=True,
+            )
+
+    def unlimit(self, i: int) -> None:
+        """Node i's link back to full speed."""
+        for where in ([], ["-n", self.ns(i)]):
+            dev = "eth0" if where else self.veth(i)
+            subprocess.run(
+                ["tc", *where, "qdisc", "del", "dev", dev, "root"], check=False, capture_output=True
+            )
+
 
 __all__ = ["NetnsCluster", "available"]

@@ -220,6 +220,9 @@ def run_elastic(a: argparse.Namespace) -> int:
         events.write("spare", pid=os.getpid())
     kills = _faults(a.kill, rank)
     marks = {int(s.split(":")[1]) for s in a.mark if int(s.split(":")[0]) == rank}
+    slow_speed, slow_from = 1.0, 1 << 62
+    if a.slow and int(a.slow.split(":")[0]) == rank:  # RANK:SPEED:STEP
+        slow_speed, slow_from = float(a.slow.split(":")[1]), int(a.slow.split(":")[2])
     holds = {int(s.split(":")[1]) for s in a.hold if int(s.split(":")[0]) == rank}
     flips = {int(s.split(":")[1]) for s in a.flip if int(s.split(":")[0]) == rank}
     flip_now = threading.Event()
@@ -269,7 +272,17 @@ def run_elastic(a: argparse.Namespace) -> int:
             _flip_a_bit(trainer, events, info["step"])
         if event == "pace.window":
             events.write(
-                "pace", step=info["step"], speeds={str(r): round(x, 3) for r, x in info["speeds"].items()}
+                "pace",
+                step=info["step"],
+                speeds={str(r): round(x, 3) for r, x in info["speeds"].items()},
+                links={str(n): round(x, 3) for n, x in info["links"].items()},
+            )
+        if event == "pace.slow_link":
+            events.write(
+                "slow_link",
+                step=info["step"],
+                slow={str(n): round(x, 3) for n, x in info["slow"].items()},
+                cleared=info["cleared"],
             )
         if event == "pace.slow":
             events.write(
@@ -330,11 +343,14 @@ def run_elastic(a: argparse.Namespace) -> int:
         # The tensor-parallel group as torchtitan-style code takes it: from the controller's
         # DeviceMesh, which every recovery replaces (the old groups are gone by then).
         tp_group = ctl.device_mesh["tp"].get_group() if a.tp > 1 else None
+        cpu0 = time.thread_time()
         trainer.forward_backward(s.step, data_ids[mesh0.replica_of(ctl.slot)], tp_group)
         if a.step_ms:
             time.sleep(a.step_ms / 1e3)  # stands for a longer computation
         if a.burn_ms:
             _burn(a.burn_ms / 1e3)
+        if s.step >= slow_from:  # its step's CPU work made 1/speed of its peers'
+            _burn((time.thread_time() - cpu0) * (1.0 / slow_speed - 1.0))
         s.commit(trainer.opt.step, grads=trainer.grads())
         if a.trace and ctl.members[0] == rank:
             trace[s.step] = {"step": s.step, "state": copy.deepcopy(trainer.state_dict())}
@@ -503,6 +519,12 @@ def parser() -> argparse.ArgumentParser:
         help="elastic: CPU the state factory burns (a first import's cost) before step 0",
     )
     p.add_argument("--kill", action="append", default=[], metavar="RANK:STEP:PHASE", help="self-SIGKILL")
+    p.add_argument(
+        "--slow",
+        metavar="RANK:SPEED:STEP",
+        help="from STEP on, RANK's CPU work per step is 1/SPEED of its peers' (it burns the rest): a rank at a "
+        "precise speed (a CPU quota's effect depends on the machine's load)",
+    )
     p.add_argument(
         "--mark", action="append", default=[], metavar="RANK:STEP", help="store key at a step's start"
     )

@@ -17,6 +17,12 @@ spare               one rank killed with a hot spare waiting: the spare takes it
 tp2                 tp=2: one rank killed, its whole replica goes
 bitflip             one bit of one rank's parameters flipped after a step (silent data corruption):
                     the replicas' next fingerprint comparison finds it, every member goes back
+slow-rank           one rank held to 0.1 core by a CPU quota on its cgroup from a step on (fail-slow
+                    detection on): it must be judged slow and leave, its replica dropped
+flap                several nodes (network namespaces, etcd): one node's link down for less than
+                    the tolerated outage, once or twice: nothing may happen
+slow-link           the same nodes: one node's link limited to 20-50 Mbit/s for a few seconds:
+                    slower steps, nobody evicted (a slow link is no dead or slow rank)
 ==================  ==============================================================================
 
 and checks: no hang (the job ends within --timeout-s), exit status 0, every member of the last
@@ -24,6 +30,10 @@ decision at the final step, replicas bit-identical, and equal to the reference (
 run continued from each recovery's resume step with the survivors' data streams; with a spare,
 the fault-free run itself; tp2 compares the replicas of each shard only), no false eviction
 (nobody lost or evicted but the victims and their replica partners), and the recovery time.
+slow-rank needs root and cgroup v1's cpu controller; flap and slow-link need root, network
+namespaces and etcd, and run on --nodes nodes of two ranks each (`chaos_nodes`), their
+reference a fault-free run on those nodes. A kind that cannot run here is refused when named,
+skipped with a note when every kind was asked for (no --kinds).
 Prints one line per trial and a table per kind; ``--out FILE`` writes every trial as JSON.
 Exit status 1 if any trial failed.
 """
@@ -31,6 +41,7 @@ Exit status 1 if any trial failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -55,11 +66,38 @@ KINDS = (
     "spare",
     "tp2",
     "bitflip",
+    "slow-rank",
+    "flap",
+    "slow-link",
 )
+NODE_KINDS = ("flap", "slow-link")  # on several nodes (`chaos_nodes`)
 PHASES = ("start", "synced", "committed")
 STOP_SHORT_S, STOP_LONG_S = 0.3, 3.0
 STEP_MS = 25  # compute per step: the job runs long enough for heartbeats to tell its phases
 FINGERPRINT_EVERY = 5  # the replicas compare their state this often in every trial
+# slow-rank: 0.1 core makes a rank's step (25 ms asleep, 5 ms of CPU) 0.35-0.48 of its peers'
+# speed; healthy ranks measured 0.83-1.24 (windows of 2 and 4 steps, 4 ranks, and 8 on the
+# nodes of flap and slow-link, this 2-core machine): slow under 0.65, which is under
+# (dp-1)/dp - margin too, so a slow rank's replica is dropped.
+SLOW_CORES, SLOW_BURN_MS, SLOW_BELOW = 0.1, 5, 0.65
+
+
+def pace_window(steps: int) -> int:
+    """Fail-slow detection's window in a run of `steps` steps: short enough that three windows
+    fit after the slowdown (two are the patience; a window in which the slow rank was near
+    its peers' speed, on a loaded machine, starts the streak again; not in the fewest steps, 10),
+    and steps after it left."""
+    return max(2, steps // 6)
+
+
+@dataclass
+class LinkFault:
+    """One node's link, from rank 0's start of each `at` step (held there while the fault
+    begins) for its seconds: down (`mbit` 0) or limited to `mbit` megabits per second."""
+
+    node: int
+    at: list[tuple[int, float]]
+    mbit: float = 0.0
 
 
 @dataclass
@@ -71,6 +109,20 @@ class Trial:
     stop: tuple[int, int, float] | None = None  # (rank, step, hold seconds)
     spares: int = 0
     tp: int = 1
+    slow: tuple[int, int, float] | None = None  # (rank, step, CPU cores): a quota from that step on
+    link: LinkFault | None = None  # flap, slow-link: the fault on one node's link
+
+    def describe(self) -> str:
+        """The fault, as a trial's line shows it."""
+        what = " ".join(self.args)
+        if self.slow:
+            what = f"rank {self.slow[0]} at {self.slow[2]:g} core from step {self.slow[1]}"
+        if self.link:
+            how = f"limited to {self.link.mbit:g} Mbit/s" if self.link.mbit else "down"
+            what = f"node {self.link.node}'s link {how} " + ", ".join(
+                f"{secs:.2f} s at step {step}" for step, secs in self.link.at
+            )
+        return what
 
 
 @dataclass
@@ -86,14 +138,20 @@ class Outcome:
     false_evictions: list[int] = field(default_factory=list)
     recovery_ms: list[float] = field(default_factory=list)
     seconds: float = 0.0
+    note: str = ""  # what the fault did, where a kind says (a trial's line shows it)
 
     def fail(self, why: str) -> None:
         self.ok = False
         self.problems.append(why)
 
 
-def draw(index: int, kind: str, rng: random.Random, world: int, steps: int) -> Trial:
-    """The fault of trial `index`: where and when, from the seeded `rng`."""
+def draw(index: int, kind: str, rng: random.Random, world: int, steps: int, nodes: int = 4) -> Trial:
+    """The fault of trial `index`: where and when, from the seeded `rng` (flap and slow-link:
+    on `nodes` nodes)."""
+    if kind in NODE_KINDS:
+        from resilient_comm.tools import chaos_nodes
+
+        return chaos_nodes.draw(index, kind, rng, nodes, steps)
     step = rng.randrange(3, steps - 5)
     victim = rng.randrange(world)
     phase = rng.choice(PHASES)
@@ -128,6 +186,20 @@ def draw(index: int, kind: str, rng: random.Random, world: int, steps: int) -> T
     if kind == "bitflip":  # before the last comparison, so that one finds it
         flip = rng.randrange(1, steps - FINGERPRINT_EVERY - (steps % FINGERPRINT_EVERY))
         return Trial(index, kind, ["--flip", f"{victim}:{flip}"], [])
+    if kind == "slow-rank":  # two whole windows (the patience) after the quota, and one to spare
+        window = pace_window(steps)
+        at = rng.randrange(2, max(3, steps - 4 * window - 1))
+        pace = [
+            "--burn-ms",
+            str(SLOW_BURN_MS),
+            "--pace-window",
+            str(window),
+            "--pace-slow-below",
+            str(SLOW_BELOW),
+        ]
+        return Trial(
+            index, kind, ["--mark", f"{victim}:{at}", *pace], [victim], slow=(victim, at, SLOW_CORES)
+        )
     raise ValueError(f"unknown trial kind {kind!r} (kinds: {', '.join(KINDS)})")
 
 
@@ -212,6 +284,7 @@ class Reference:
 
 
 def run_trial(t: Trial, world: int, steps: int, workdir: str, timeout_s: float, ref: Reference) -> Outcome:
+    """One trial on this machine (not flap or slow-link: `chaos_nodes.NodeBench.run_trial`)."""
     import torch
 
     from resilient_comm.elastic import Membership
@@ -219,6 +292,7 @@ def run_trial(t: Trial, world: int, steps: int, workdir: str, timeout_s: float, 
     from resilient_comm.testing.toy import ToyJob
 
     out = Outcome(t.index, t.kind, t.args)
+    quota = None
     dump = os.path.join(workdir, "dump")
     hold = ["--hold", "0:1"] if t.spares else []  # the kill comes after the spare registered
     args = [
@@ -251,12 +325,23 @@ def run_trial(t: Trial, world: int, steps: int, workdir: str, timeout_s: float, 
                 time.sleep(hold_s)  # the fault's duration (what the trial is about), not a synchronisation
             finally:
                 os.kill(job.pid(rank), signal.SIGCONT)
+        if t.slow:  # held until the job ends: a slow host stays slow
+            from resilient_comm.testing.cgroup import CpuQuota
+
+            rank, step, cores = t.slow
+            store.wait([f"toy/at/{rank}/{step}"], datetime.timedelta(seconds=timeout_s))
+            try:
+                quota = CpuQuota(job.pid(rank), cores)
+            except OSError as e:
+                out.fail(f"no CPU quota for rank {rank}: {e}")
         out.status = job.wait(max(1.0, timeout_s - (time.monotonic() - t0)))
     except TimeoutError:
         out.hang = True
         out.fail(f"hang: the job did not end within {timeout_s:.0f} s")
         return out
     finally:
+        if quota is not None:
+            quota.release()
         out.seconds = time.monotonic() - t0
     if out.status != 0:
         out.fail(f"exit status {out.status}")
@@ -272,6 +357,8 @@ def run_trial(t: Trial, world: int, steps: int, workdir: str, timeout_s: float, 
         out.fail(f"rank {t.victims[0]}, stopped for {STOP_LONG_S} s, was not evicted")
     if t.kind == "bitflip" and not any(e["event"] == "mismatch" for e in job.events()):
         out.fail("the flipped bit was never found")
+    if t.slow:
+        _check_slow(out, t.slow, decisions, job.events())
     killed = {e["rank"] for e in job.events() if e["event"] == "kill"}
     alive = [r for r in last.members if r not in killed]
     finals = {}
@@ -303,6 +390,20 @@ def run_trial(t: Trial, world: int, steps: int, workdir: str, timeout_s: float, 
             out.divergent = True
             out.fail("the final state differs from the fault-free reference")
     return out
+
+
+def _check_slow(out: Outcome, slow: tuple[int, int, float], decisions: list[Any], events: list[dict]) -> None:
+    """The rank held to a quota was judged slow by its peers and left (its replica dropped in
+    a planned recovery), not found silent or never noticed."""
+    rank, step, cores = slow
+    verdicts = [e for e in events if e["event"] == "slow" and rank in e["leave"]]
+    left = any(rank in (*d.lost, *d.evicted) for d in decisions)
+    if not left:
+        out.fail(f"rank {rank}, at {cores:g} core from step {step}, never left")
+    elif not verdicts:
+        out.fail(f"rank {rank} left without being judged slow")
+    else:
+        out.note = f"judged slow after step {verdicts[0]['step']}: {verdicts[0]['why']}"
 
 
 def _segments(decisions: list[Any], steps: int) -> list[tuple[int, list[int]]]:
@@ -349,6 +450,19 @@ def summarize(outcomes: list[Outcome]) -> str:
     )
 
 
+def unavailable(kind: str) -> str | None:
+    """Why trials of `kind` cannot run here, or None."""
+    if kind == "slow-rank":
+        from resilient_comm.testing import cgroup
+
+        return cgroup.available()
+    if kind in NODE_KINDS:
+        from resilient_comm.tools import chaos_nodes
+
+        return chaos_nodes.unavailable(kind)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="resilient-comm chaos",
@@ -359,10 +473,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=20, help="how many trials (default 20)")
     p.add_argument("--seed", type=int, default=1, help="draws every fault's kind, rank, step and phase")
     p.add_argument(
-        "--kinds", default=",".join(KINDS), help="comma-separated trial kinds (default: all, in turn)"
+        "--kinds",
+        default=None,
+        help="comma-separated trial kinds (default: every kind that can run here, in turn)",
     )
     p.add_argument(
         "--world", type=int, default=4, help="ranks per trial (default 4; tp2 needs an even number)"
+    )
+    p.add_argument(
+        "--nodes", type=int, default=4, help="flap and slow-link: nodes of two ranks each (default 4)"
     )
     p.add_argument("--steps", type=int, default=24, help="training steps per trial (default 24)")
     p.add_argument(
@@ -373,39 +492,68 @@ def main(argv: list[str] | None = None) -> int:
         "--workdir", default=None, help="keep the trials' files here (default: a temporary directory)"
     )
     a = p.parse_args(argv)
-    kinds = [k for k in a.kinds.split(",") if k]
+    kinds = [k for k in (a.kinds or ",".join(KINDS)).split(",") if k]
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
         p.error(f"unknown kinds {bad} (kinds: {', '.join(KINDS)})")
-    if a.trials < 1 or a.world < 2 or a.steps < 10:
-        p.error("needs --trials >= 1, --world >= 2 and --steps >= 10")
+    if a.trials < 1 or a.world < 2 or a.steps < 10 or a.nodes < 3:
+        p.error("needs --trials >= 1, --world >= 2, --steps >= 10 and --nodes >= 3")
     if "tp2" in kinds and a.world % 2:
         p.error("tp2 trials need an even --world")
+    why = {k: w for k in dict.fromkeys(kinds) if (w := unavailable(k))}
+    if why and a.kinds:
+        p.error("; ".join(f"{k} trials cannot run here: {w}" for k, w in why.items()))
+    for k, w in why.items():
+        print(f"chaos: no {k} trials here: {w}", flush=True)
+    kinds = [k for k in kinds if k not in why]
     rng = random.Random(a.seed)
-    trials = [draw(i, kinds[i % len(kinds)], rng, a.world, a.steps) for i in range(a.trials)]
-    with tempfile.TemporaryDirectory(prefix="rc-chaos-") as tmp:
+    trials = [draw(i, kinds[i % len(kinds)], rng, a.world, a.steps, a.nodes) for i in range(a.trials)]
+    with tempfile.TemporaryDirectory(prefix="rc-chaos-") as tmp, contextlib.ExitStack() as stack:
         root = a.workdir or tmp
         os.makedirs(root, exist_ok=True)
+        local, linked = sum(not t.link for t in trials), sum(bool(t.link) for t in trials)
+        where = [f"{local} on {a.world} ranks"] if local else []
+        if linked:
+            where.append(f"{linked} on {a.nodes} nodes of 2 ranks")
         print(
-            f"chaos: {a.trials} trials, seed {a.seed}, {a.world} ranks, {a.steps} steps; fault-free reference...",
+            f"chaos: {a.trials} trials, seed {a.seed}, {a.steps} steps, {' and '.join(where)}; "
+            "fault-free reference...",
             flush=True,
         )
-        ref = Reference(a.world, a.steps, os.path.join(root, "reference"), a.timeout_s)
+        ref, bench = None, None
+        if local:
+            ref = Reference(a.world, a.steps, os.path.join(root, "reference"), a.timeout_s)
+        if linked:
+            from resilient_comm.tools.chaos_nodes import NodeBench
+
+            bench = stack.enter_context(NodeBench(a.nodes, a.steps, os.path.join(root, "nodes"), a.timeout_s))
         outcomes = []
         for t in trials:
-            o = run_trial(t, a.world, a.steps, os.path.join(root, f"trial-{t.index}"), a.timeout_s, ref)
+            trial_dir = os.path.join(root, f"trial-{t.index}")
+            if bench is not None and t.link:
+                o = bench.run_trial(t, trial_dir)
+            else:
+                assert ref is not None
+                o = run_trial(t, a.world, a.steps, trial_dir, a.timeout_s, ref)
             outcomes.append(o)
             rec = f"{max(o.recovery_ms):.0f} ms" if o.recovery_ms else "-"
             print(
-                f"[{t.index + 1}/{a.trials}] {t.kind:18s} {' '.join(t.args):42s} "
-                f"{'ok' if o.ok else 'FAIL: ' + '; '.join(o.problems)} ({o.seconds:.1f} s, recovery {rec})",
+                f"[{t.index + 1}/{a.trials}] {t.kind:18s} {t.describe():42s} "
+                f"{'ok' if o.ok else 'FAIL: ' + '; '.join(o.problems)} ({o.seconds:.1f} s, recovery {rec})"
+                + (f"\n    {o.note}" if o.note else ""),
                 flush=True,
             )
     print(summarize(outcomes))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(
-                {"seed": a.seed, "world": a.world, "steps": a.steps, "trials": [asdict(o) for o in outcomes]},
+                {
+                    "seed": a.seed,
+                    "world": a.world,
+                    "nodes": a.nodes,
+                    "steps": a.steps,
+                    "trials": [asdict(o) for o in outcomes],
+                },
                 f,
                 indent=1,
             )

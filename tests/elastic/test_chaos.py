@@ -7,13 +7,17 @@ import json
 import random
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
 import torch
 
-from resilient_comm.tools import chaos
+from resilient_comm.elastic.node.agent import node_lease_s
+from resilient_comm.elastic.node.lease import tolerated_outage_s
+from resilient_comm.testing import cgroup, cluster
 from resilient_comm.testing.harness import same_state
+from resilient_comm.tools import chaos
 
 
 @pytest.mark.timeout(300)
@@ -85,8 +89,67 @@ def test_draws_are_seeded_and_bad_arguments_are_refused(capsys: Any) -> None:
     assert a == b
     with pytest.raises(ValueError, match="unknown trial kind"):
         chaos.draw(0, "meteor", random.Random(1), 4, 24)
-    for argv in (["--kinds", "kill,meteor"], ["--trials", "0"], ["--kinds", "tp2", "--world", "3"]):
+    for argv in (["--kinds", "kill,meteor"], ["--trials", "0"], ["--kinds", "tp2", "--world", "3"],
+                 ["--kinds", "flap", "--nodes", "2"]):
         with pytest.raises(SystemExit) as e:
             chaos.main(argv)
         assert e.value.code == 2
     assert "unknown kinds ['meteor']" in capsys.readouterr().err
+
+
+def test_the_new_kinds_draw_within_their_bounds() -> None:
+    lease = node_lease_s()
+    for seed in range(40):
+        for steps in (10, 16, 24):
+            rng = random.Random(seed)
+            slow = chaos.draw(0, "slow-rank", rng, 4, steps)
+            assert slow.slow is not None and slow.victims == [slow.slow[0]] and slow.slow[2] == chaos.SLOW_CORES
+            window = chaos.pace_window(steps)
+            # Two whole windows after the slowdown's start, one to spare (not in 10 steps), and a
+            # step after the slow rank left.
+            windows = 3 if steps >= 16 else 2
+            assert slow.slow[1] >= 2 and (slow.slow[1] // window + 1) * window + windows * window - 1 < steps - 1, slow
+            assert slow.args[:2] == ["--mark", f"{slow.slow[0]}:{slow.slow[1]}"]
+            assert slow.args[slow.args.index("--pace-window") + 1] == str(window)
+            flap = chaos.draw(1, "flap", rng, 4, steps)
+            assert flap.link is not None and flap.link.mbit == 0 and 1 <= flap.link.node <= 3 and not flap.victims
+            at = [s for s, _ in flap.link.at]
+            assert len(at) in (1, 2) and at == sorted(at) and at[0] >= 2 and at[-1] < steps - 2, flap
+            assert all(0.3 <= secs <= tolerated_outage_s(lease) - 0.5 for _, secs in flap.link.at), flap
+            assert flap.args == [a for s in at for a in ("--hold", f"0:{s}")]
+            link = chaos.draw(2, "slow-link", rng, 4, steps)
+            assert link.link is not None and link.link.mbit in (20, 30, 40, 50) and 1 <= link.link.node <= 3
+            ((step, secs),) = link.link.at
+            assert 2 <= step < steps - 5 and 2.0 <= secs <= 4.0, link
+
+
+def test_a_kind_that_cannot_run_here_is_refused_when_named(capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cgroup, "available", lambda: "no cgroup v1 cpu controller at /nowhere")
+    monkeypatch.setattr(cluster, "available", lambda: "cannot create network namespaces here")
+    for argv, why in (
+        (["--kinds", "kill,slow-rank"], "slow-rank trials cannot run here: no cgroup v1 cpu controller at /nowhere"),
+        (["--kinds", "flap"], "flap trials cannot run here: needs root, network namespaces and etcd: "
+                              "cannot create network namespaces here"),
+    ):
+        t0 = time.monotonic()
+        with pytest.raises(SystemExit) as e:
+            chaos.main(argv)
+        assert e.value.code == 2 and time.monotonic() - t0 < 5.0
+        assert why in capsys.readouterr().err
+
+
+@pytest.mark.skipif(cgroup.available() is not None, reason=f"needs a CPU quota: {cgroup.available()}")
+@pytest.mark.timeout(240)
+def test_a_slow_rank_is_judged_slow_and_its_replica_dropped(tmp_path: Any) -> None:
+    out = tmp_path / "chaos.json"
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "resilient_comm.tools.cli", "chaos", "--trials", "1", "--seed", "2",
+                           "--kinds", "slow-rank", "--steps", "16", "--out", str(out)],
+                          check=False, capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1].split()[:3] == ["all", "1", "1"], proc.stdout[-2000:]
+    (t,) = json.loads(out.read_text())["trials"]
+    assert t["kind"] == "slow-rank" and t["ok"] and t["status"] == 0 and not t["false_evictions"], t
+    assert t["note"].startswith("judged slow after step ") and "the job is faster without it" in t["note"], t
+    assert len(t["recovery_ms"]) == 3, "each of the three others recovered once, on purpose"
+    assert t["seconds"] < 90 and time.monotonic() - t0 < 200, t["seconds"]

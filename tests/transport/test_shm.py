@@ -37,7 +37,11 @@ def _peers_and_sum(ctx: WorkerContext, shm: str) -> dict:
     x = (torch.arange(4 * MIB) % 1000).float() + ctx.rank  # 16 MiB: through the rings
     dist.all_reduce(x)
     want = sum((torch.arange(4 * MIB) % 1000).float() + r for r in range(ctx.world_size))
-    out = {"peers": resilient_comm.shm_peers(), "ok": bool(torch.equal(x, want)), "maps": _ring_maps()}
+    from resilient_comm.api import resilient_backend
+
+    rates = {p: sum(counts) for p, counts in resilient_backend(None).receive_rates()}
+    out = {"peers": resilient_comm.shm_peers(), "ok": bool(torch.equal(x, want)), "maps": _ring_maps(),
+           "rates": rates}
     dist.destroy_process_group()
     return out
 
@@ -53,6 +57,8 @@ def test_same_host_peers_share_rings_unless_turned_off(shm: str) -> None:
         assert v["peers"] == (others if shm == "1" else []), v
         # Each pair: our ring, mapped by us, and the peer's.
         assert v["maps"] == (2 * len(others) if shm == "1" else 0), v
+        # Large frames through a socket are timed (a slow link shows in them), the rings' not.
+        assert (v["rates"] == {}) if shm == "1" else (v["rates"] and set(v["rates"]) <= set(others)), v
 
 
 def _loop_64mib_until_failure(ctx: WorkerContext) -> dict:

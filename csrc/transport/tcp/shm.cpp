@@ -89,6 +89,14 @@ const std::string& bootId() {
   return id;
 }
 
+uint32_t netNamespace() {
+  static const uint32_t ns = [] {
+    struct stat st {};
+    return ::stat("/proc/self/ns/net", &st) == 0 ? static_cast<uint32_t>(st.st_ino) : 0U;
+  }();
+  return ns;
+}
+
 ShmLink::~ShmLink() {
   if (out_ != nullptr) {
     ::munmap(out_, kDataOffset + outCap_);
@@ -151,6 +159,7 @@ ShmLink::Offer ShmLink::refusal() {
   Offer o{};
   o.magic = kOfferMagic;
   std::memcpy(o.bootId, bootId().data(), bootId().size());
+  o.netns = netNamespace();
   return o;
 }
 
@@ -385,7 +394,8 @@ Status negotiateShm(std::vector<Peer>& peers, const std::vector<int>& fresh, std
     RC_RETURN_IF_ERROR(readFrame(peers[p.peer], p.peer, MsgKind::kShmOffer, &h, dl, abort));
     RC_RETURN_IF_ERROR(readAll(peers[p.peer].sock, &o, sizeof(o), dl, abort));
     o.bootId[sizeof(o.bootId) - 1] = '\0';
-    p.verdicts = p.link != nullptr && o.magic == kOfferMagic && o.willing == 1 && bootId() == o.bootId;
+    p.verdicts = p.link != nullptr && o.magic == kOfferMagic && o.willing == 1 && bootId() == o.bootId &&
+                 o.netns == netNamespace();
     if (p.verdicts) {
       Status st = p.link->attach(o);
       p.mine = st.isOk();

@@ -62,6 +62,10 @@ uint64_t ringCapacity(int peers);
 bool shmEnabled();
 // This host's boot id ("" if unknown: then no pair uses shared memory).
 const std::string& bootId();
+// This process's network namespace (its inode; 0 if unknown). Two processes share memory only
+// in the same one: a namespace stands for a host of its own (containers, and the namespace
+// "nodes" of the tests, whose links must carry their traffic: tests/system/test_nodes.py).
+uint32_t netNamespace();
 
 class ShmLink {
  public:
@@ -74,7 +78,7 @@ class ShmLink {
     int32_t pid;
     int32_t memfd;  // the sender's ring
     int32_t bell;   // the read end of the sender's doorbell
-    uint32_t pad2;
+    uint32_t netns;  // netNamespace()
     uint64_t memfdIno;
     uint64_t bellIno;
     uint64_t capacity;

@@ -88,6 +88,23 @@ std::vector<int> TcpCommunicator::shmPeers() const {
   return out;
 }
 
+std::vector<std::pair<int, std::vector<uint32_t>>> TcpCommunicator::receiveRates() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::pair<int, std::vector<uint32_t>>> out;
+  for (size_t i = 0; i < peers_.size(); ++i) {
+    std::vector<uint32_t> counts(kRateBuckets);
+    bool any = false;
+    for (int b = 0; b < kRateBuckets; ++b) {
+      counts[b] = peers_[i].rxRates.count(b);
+      any = any || counts[b] != 0;
+    }
+    if (any) {
+      out.emplace_back(static_cast<int>(i), std::move(counts));
+    }
+  }
+  return out;
+}
+
 void TcpCommunicator::endLinks() {
   if (listener_) {
     listener_->ended(meshHash());

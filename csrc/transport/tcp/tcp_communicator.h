@@ -128,6 +128,10 @@ class TcpCommunicator : public CommLifecycle, public std::enable_shared_from_thi
   int connections() const;
   // Peers whose large payloads go through shared memory (shm.h), by rank in this group.
   std::vector<int> shmPeers() const;
+  // The large frames this rank received through its socket, by rate bucket ([Note: link
+  // rates] in transfer.h): (rank of this group, the count in each bucket), for the ranks that
+  // sent any.
+  std::vector<std::pair<int, std::vector<uint32_t>>> receiveRates() const;
 
   // What torch's reconfigure API (backend_reconfigure.cpp) needs of a communicator that may be
   // shrunk or whose listener a new communicator reuses. Valid once built() succeeded

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <cerrno>
 #include <cstring>
@@ -396,6 +397,11 @@ void Transfer::markDirty(bool sending) {
   }
 }
 
+int rateBucket(double bytesPerSecond) {
+  const double b = std::floor(4.0 * std::log2(std::max(bytesPerSecond, 1.0) / (1024.0 * 1024.0)));
+  return static_cast<int>(std::clamp(b, 0.0, static_cast<double>(kRateBuckets - 1)));
+}
+
 // One read of the message `it` from `peer`; `*blocked` when nothing has arrived.
 Status Transfer::readMore(int peer, RecvItem& it, bool* blocked) {
   *blocked = false;
@@ -446,7 +452,15 @@ Status Transfer::readMore(int peer, RecvItem& it, bool* blocked) {
     return Status(StatusCode::kPeerFailure, "rank " + std::to_string(peer) + " closed its connection in the middle of " +
                                                 describeHeader(it.expect) + "; it died, exited or aborted");
   }
+  if (it.done == 0) {
+    it.first = std::chrono::steady_clock::now();
+  }
   it.done += static_cast<size_t>(r);
+  if (!ring && it.done == total && it.expect.bytes >= kRateMinBytes &&
+      it.first != std::chrono::steady_clock::time_point{}) {  // not begun with a fence
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - it.first).count();
+    peers_[peer].rxRates.add(rateBucket(static_cast<double>(it.expect.bytes) / std::max(secs, 1e-9)));
+  }
   if (!it.checked && it.done >= kHdr) {
     RC_RETURN_IF_ERROR(checkHeader(peer, it));
   }

@@ -29,6 +29,8 @@
 // Threads: one Transfer at a time per communicator, on the communicator's calling thread.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -46,6 +48,41 @@
 namespace resilient_comm::tcp {
 
 class Links;
+
+// [Note: link rates]
+// A rank that waits in a collective waits either for a slow peer (late to send: its compute)
+// or for a slow link (the bytes come slowly once sent). Only the second shows in how fast a
+// frame arrives from its first byte to its last, so every socket receive of at least
+// kRateMinBytes of payload counts its rate into its peer's histogram: kRateBuckets buckets,
+// four per doubling from 1 MiB/s (the first also takes anything slower, the last anything
+// faster). A frame's rate is noisy on a busy host both ways: a sender descheduled in the
+// middle of it makes it slow, a receiver that was busy elsewhere finds it already buffered
+// and fast; a slow link makes them all slow. So the elastic controller takes each peer's
+// median frame (elastic/worker/pace_watch.py) and compares nodes (elastic/model/pace.py).
+// Shared-memory rings are not timed: same host.
+constexpr size_t kRateMinBytes = 64 * 1024;
+constexpr int kRateBuckets = 48;
+int rateBucket(double bytesPerSecond);
+
+// Frames received from one peer, counted by rate bucket: its owner's thread counts, any
+// thread reads (relaxed: a statistic).
+class RateHistogram {
+ public:
+  RateHistogram() : counts_(new std::atomic<uint32_t>[kRateBuckets]) {
+    for (int b = 0; b < kRateBuckets; ++b) {
+      counts_[b].store(0, std::memory_order_relaxed);
+    }
+  }
+  void add(int bucket) {
+    counts_[bucket].store(counts_[bucket].load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+  }
+  uint32_t count(int bucket) const {
+    return counts_[bucket].load(std::memory_order_relaxed);
+  }
+
+ private:
+  std::unique_ptr<std::atomic<uint32_t>[]> counts_;
+};
 
 // A connection to one peer, owned by the communicator.
 struct Peer {
@@ -65,6 +102,8 @@ struct Peer {
   // A same-host peer's shared-memory rings (shm.h), set up with the connection; large
   // payloads go through them. Null: everything goes through the socket.
   std::shared_ptr<ShmLink> shm;
+  // [Note: link rates]: the large frames received through the socket, by rate.
+  RateHistogram rxRates;
 };
 
 // Whether the payload of the frame `h` on `peer`'s stream goes through its ring (shm.h).
@@ -145,6 +184,7 @@ class Transfer {
     bool checked;
     Callback cb;
     char* target = nullptr;  // recvReduce's: buf is its scratch
+    std::chrono::steady_clock::time_point first{};  // its first byte ([Note: link rates])
     DataType dt = DataType::kUInt8;
     RedOp op = RedOp::kSum;
   };

@@ -184,7 +184,8 @@ class JoinRecord:
 @dataclass(frozen=True)
 class Gone:
     """Evidence that a rank is gone. kind: "exit" (the launcher saw the process end; detail
-    holds its status) or "suspect" (heartbeat silence or a straggler past its bound)."""
+    holds its status), "suspect" (heartbeat silence or a straggler past its bound) or "left"
+    (the members agreed it leaves: a slow rank, `worker/pace_watch.py`)."""
 
     rank: int
     kind: str

@@ -409,6 +409,14 @@ class Controller(Evidence):
             spares = lambda: len(waiting_spares(self._m, self._decision))  # noqa: E731
             leave = self.pace.window_end(step, self.groups.world, self.members, self.mesh, spares, self._emit)
             if leave:  # they left (`Evicted`); the others recover on purpose: nothing failed
+                # Every member records them gone at once: the decision need not wait for their
+                # launchers to see them exit (a throttled rank takes seconds to tear down).
+                self._m.report_gone_many(
+                    [
+                        Gone(r, "left", f"slow: left after step {step}", now(), f"rank {self.rank}")
+                        for r in leave
+                    ]
+                )
                 self._recover(
                     RuntimeError(f"planned: slow rank(s) {leave} left after step {step}"), op_error=False
                 )
