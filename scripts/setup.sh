@@ -51,6 +51,19 @@ if ! command -v etcd >/dev/null 2>&1; then
     echo "[setup] no etcd (apt install etcd-server as root): the multi-node tests will skip"
   fi
 fi
+# Slurm (slurmctld, slurmd, srun) and munge for the test that runs resilient-run under srun on
+# those nodes (tests/system/test_slurm.py starts its own daemons; no service is enabled here).
+# Without them that test skips.
+if ! command -v slurmd >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing slurm-wlm and munge (apt)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge >/dev/null 2>&1 ||
+      { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge >/dev/null; } ||
+      echo "[setup] could not install slurm-wlm and munge: the Slurm test will skip"
+  else
+    echo "[setup] no Slurm (apt install slurm-wlm munge as root): the Slurm test will skip"
+  fi
+fi
 
 echo "[setup] building resilient_comm (CMake against torch $TORCH_VERSION)"
 # The in-place extension may be another venv's build (same file name for every torch): drop it,

@@ -58,6 +58,8 @@ namespace resilient_comm::env {
     "elastic, etcd: TTL of each node's lease; a node cut off from the store this long is fenced") \
   X(kJoinWindowMs, "RESILIENT_COMM_JOIN_WINDOW_MS", "50",                                       \
     "elastic: how long a node agent holds its workers' first join record for the others, in ms") \
+  X(kHealthCheck, "RESILIENT_COMM_HEALTH_CHECK", "",                                             \
+    "elastic: resilient-run's --health-check when none is given: a shell command, or builtin:accelerator") \
   X(kSilenceFloorMs, "RESILIENT_COMM_SILENCE_FLOOR_MS", "1000",                                  \
     "elastic: a silent heartbeat is suspected past max(this, slow factor x its p99 step + comm)") \
   X(kStragglerFloorMs, "RESILIENT_COMM_STRAGGLER_FLOOR_MS", "5000",                              \

@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from typing import IO, Any, Self
 
@@ -236,6 +237,15 @@ class NetnsCluster:
                 c = client(leader)
                 c.post(c.get_url("/maintenance/transfer-leadership"), json={"targetID": ids[i]})
             time.sleep(0.2)  # polling the members' status until the move shows
+
+    def toy_command(self, i: int, per_node: int, rdzv_id: str, toy: list[str]) -> list[str]:
+        """Node i's ``resilient-run`` of the toy (`testing.toy`, arguments `toy`) in a job of
+        every node of this cluster, on its etcd (node i's own member first)."""
+        return [
+            sys.executable, "-m", "resilient_comm.elastic", "--nnodes", str(self.nodes), "--node-rank", str(i),
+            "--nproc-per-node", str(per_node), "--rdzv-backend", "etcd", "--rdzv-endpoint", self.endpoints(i),
+            "--rdzv-id", rdzv_id, "-m", "resilient_comm.testing.toy", *toy,
+        ]  # fmt: skip
 
     def partition(self, i: int) -> None:
         """Cut node i off: its link goes down; packets are dropped, nothing is refused."""

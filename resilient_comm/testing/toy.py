@@ -288,6 +288,8 @@ def run_elastic(a: argparse.Namespace) -> int:
             events.write(
                 "slow", step=info["step"], slow=list(info["slow"]), leave=info["leave"], why=info["why"]
             )
+        if event == "recovery.aborted":  # inside a recovery: it waits for the decision now
+            events.write("aborted")
         if event == "integrity.agreed":
             events.write("agreed", step=info["step"], ms=info["ms"])
         if event == "integrity.mismatch":

@@ -31,7 +31,6 @@ import random
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import IO, Any
@@ -114,30 +113,7 @@ class NodeJob:
             self.logs[i] = open(os.path.join(workdir, f"node{i}.log"), "wb")  # noqa: SIM115
             self.launchers[i] = cluster.run(
                 i,
-                [
-                    sys.executable,
-                    "-m",
-                    "resilient_comm.elastic",
-                    "--nnodes",
-                    str(nodes),
-                    "--node-rank",
-                    str(i),
-                    "--nproc-per-node",
-                    str(PER_NODE),
-                    "--rdzv-backend",
-                    "etcd",
-                    "--rdzv-endpoint",
-                    cluster.endpoints(i),
-                    "--rdzv-id",
-                    rdzv,
-                    "-m",
-                    "resilient_comm.testing.toy",
-                    "--events",
-                    self.events,
-                    "--dump",
-                    self.dump,
-                    *args,
-                ],
+                cluster.toy_command(i, PER_NODE, rdzv, ["--events", self.events, "--dump", self.dump, *args]),
                 stdout=self.logs[i],
                 stderr=subprocess.STDOUT,
             )

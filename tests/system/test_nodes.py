@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ import torch
 
 from resilient_comm.elastic import EXIT_EVICTED, Decision, Membership
 from resilient_comm.elastic.membership.etcd.store import EtcdStore
+from resilient_comm.elastic.node.launcher import SHUTDOWN_BOUND_S
 from resilient_comm.elastic.node.lease import fence_after_s, tolerated_outage_s
 from resilient_comm.testing.cluster import NetnsCluster, available
 from resilient_comm.testing.harness import same_state
@@ -39,10 +41,13 @@ class Job:
     """The toy on NODES nodes of PER_NODE workers, rank 0 held at step HOLD."""
 
     def __init__(self, c: NetnsCluster, tmp: str, spares: dict[int, int] | None = None, nnodes: str = str(NODES),
-                 late: tuple[int, ...] = (), env: dict[str, str] | None = None, toy: tuple[str, ...] = ()) -> None:
+                 late: tuple[int, ...] = (), env: dict[str, str] | None = None, toy: tuple[str, ...] = (),
+                 identical: bool = False) -> None:
         """`nnodes`: the launchers' --nnodes; `late`: nodes not started here (`launch` them);
-        `toy`: more arguments of the toy."""
+        `toy`: more arguments of the toy; `identical`: no --node-rank (the rendezvous places
+        each node: `placed` says where)."""
         self.c, self.tmp, self.spares, self.nnodes, self.toy = c, tmp, spares or {}, nnodes, toy
+        self.identical = identical
         self.env = {**os.environ, **(env or {})}
         self.events, self.dump = os.path.join(tmp, "events"), os.path.join(tmp, "dump")
         self.launchers: dict[int, subprocess.Popen] = {}
@@ -58,7 +63,8 @@ class Job:
         self.logs[i] = open(os.path.join(self.tmp, f"node{i}.log"), "wb")  # noqa: SIM115
         spares = ["--spares", str(self.spares[i])] if i in self.spares else []
         self.launchers[i] = self.c.run(i, [
-            sys.executable, "-m", "resilient_comm.elastic", "--nnodes", self.nnodes, "--node-rank", str(i),
+            sys.executable, "-m", "resilient_comm.elastic", "--nnodes", self.nnodes,
+            *([] if self.identical else ["--node-rank", str(i)]),
             "--nproc-per-node", str(PER_NODE), *spares, "--rdzv-backend", "etcd", "--rdzv-endpoint", self.c.endpoints(i),
             "--rdzv-id", "job", "-m", "resilient_comm.testing.toy", "--events", self.events, "--steps",
             str(STEPS), "--dump", self.dump, "--hold", f"0:{HOLD}", *self.toy], stdout=self.logs[i], stderr=subprocess.STDOUT,
@@ -84,6 +90,15 @@ class Job:
             except subprocess.TimeoutExpired:
                 raise AssertionError(f"node {i}'s launcher did not finish: {self.log(i)[-3000:]}") from None
         return out
+
+    def placed(self, i: int) -> int:
+        """The node rank the rendezvous gave namespace i's launcher (from its log)."""
+        deadline = time.monotonic() + 60
+        while "this node is node " not in self.log(i):
+            assert self.launchers[i].poll() is None, f"node {i}'s launcher ended: {self.log(i)[-2000:]}"
+            assert time.monotonic() < deadline, f"node {i} has no place: {self.log(i)[-2000:]}"
+            time.sleep(0.1)  # polling its log file
+        return int(self.log(i).split("this node is node ")[1].split()[0])
 
     def log(self, i: int) -> str:
         self.logs[i].flush()
@@ -165,6 +180,19 @@ def capacity_job(tmp_path: Any) -> Any:
     the step's all-reduce, must not take it for a straggler meanwhile."""
     with NetnsCluster(NODES, [0, 1, 2], str(tmp_path)) as c:
         j = Job(c, str(tmp_path), nnodes=f"{NODES - 1}:{NODES}", late=(NODES - 1,),
+                env={"RESILIENT_COMM_STRAGGLER_FLOOR_MS": "600000"})
+        try:
+            yield j
+        finally:
+            j.close()
+
+
+@pytest.fixture
+def identical_job(tmp_path: Any) -> Any:
+    """Four identical commands, --nnodes 3:4 (no --node-rank): the rendezvous makes three of
+    them the job and one spare capacity."""
+    with NetnsCluster(NODES, [0, 1, 2], str(tmp_path)) as c:
+        j = Job(c, str(tmp_path), nnodes=f"{NODES - 1}:{NODES}", identical=True,
                 env={"RESILIENT_COMM_STRAGGLER_FLOOR_MS": "600000"})
         try:
             yield j
@@ -392,3 +420,150 @@ def test_a_rate_limited_link_is_reported_as_its_nodes_slow_link_not_a_slow_rank(
           f"per window {rates}; others {sorted(x for w in windows for n, x in w['links'].items() if n != '3')}")
     assert rates and max(rates) < 0.5, rates
     check_survivors(job, list(range(WORLD)))
+
+
+@pytest.mark.timeout(300)
+def test_identical_commands_make_a_job_of_three_nodes_and_one_of_capacity(identical_job: Job) -> None:
+    """The same ``resilient-run --nnodes 3:4`` on four nodes: their node ranks are a
+    permutation of 0..3 (3: capacity, spares only); a job node SIGKILLed whole hands its ranks
+    to the capacity node's spares, and the job ends whole."""
+    job, world = identical_job, (NODES - 1) * PER_NODE
+    places = {i: job.placed(i) for i in range(NODES)}
+    assert sorted(places.values()) == list(range(NODES)), places
+    capacity = next(i for i, n in places.items() if n == NODES - 1)
+    spares = [world + NODES - 1, world + 2 * NODES - 1]  # place 3's: W + j * MAX + 3
+    job.held()
+    job.store.wait([job.m.key("spare", i) for i in range(2)], datetime.timedelta(seconds=120))
+    assert sorted(job.m.spares()) == spares
+    victim = next(i for i, n in places.items() if n == 2)  # node 2: ranks 4, 5
+    job.c.kill_node(victim)
+    killed = time.time()
+    job.go()
+    status = job.wait([i for i in range(NODES) if i != victim])
+    assert set(status.values()) == {0}, {i: job.log(i)[-2000:] for i in status}
+    d = job.decisions()[-1]
+    assert (sorted(d.lost), sorted(d.joiners)) == ([4, 5], spares), d
+    print(f"[nodes] identical commands: places {places}; node 2 lost, capacity spares placed after "
+          f"{d.t - killed:.2f} s")
+    check_survivors(job, d.members, placed=tuple(spares))
+    assert "spare capacity: --nnodes 3:4" in job.log(capacity), job.log(capacity)[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_identical_commands_on_the_c10d_store_host_it_where_the_endpoint_is(tmp_path: Any) -> None:
+    """The same ``resilient-run --nnodes 2:3 --rdzv-backend c10d`` on three nodes, the endpoint
+    on node 0: node 0 hosts the store (place 0), the others draw 1 and 2 (2: capacity); node 1
+    SIGKILLed whole hands its ranks to the capacity node's spares."""
+    nodes, world = 3, 2 * PER_NODE
+    with NetnsCluster(nodes, [0], str(tmp_path)) as c:
+        endpoint = f"{c.addr(0)}:29400"
+        events, dump = str(tmp_path / "events"), str(tmp_path / "dump")
+        logs = {i: open(tmp_path / f"node{i}.log", "wb") for i in range(nodes)}  # noqa: SIM115
+        env = {**os.environ, "RESILIENT_COMM_STRAGGLER_FLOOR_MS": "600000"}
+        procs = {i: c.run(i, [sys.executable, "-m", "resilient_comm.elastic", "--nnodes", "2:3", "--nproc-per-node",
+                              str(PER_NODE), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "job",
+                              "-m", "resilient_comm.testing.toy", "--events", events, "--steps", str(STEPS), "--dump",
+                              dump, "--hold", f"0:{HOLD}"], stdout=logs[i], stderr=subprocess.STDOUT, env=env)
+                 for i in range(nodes)}
+
+        def log(i: int) -> str:
+            logs[i].flush()
+            return (tmp_path / f"node{i}.log").read_text()
+
+        try:
+            store = dist_store(c.addr(0), 29400)
+            m = Membership(store, "rc/job/g0")
+            store.wait([f"toy/held/0/{HOLD}", m.key("spare", 0), m.key("spare", 1)], datetime.timedelta(seconds=150))
+            places = {i: int(log(i).split("this node is node ")[1].split()[0]) for i in range(nodes)}
+            assert places[0] == 0 and sorted(places.values()) == [0, 1, 2], places
+            spares = sorted(m.spares())
+            assert spares == [world + 2, world + 2 + nodes], spares  # place 2's: W + j * MAX + 2
+            victim = next(i for i, n in places.items() if n == 1)
+            c.kill_node(victim)
+            store.set(f"toy/go/{HOLD}", "1")
+            for i in range(nodes):
+                if i != victim:
+                    assert procs[i].wait(150) == 0, log(i)[-3000:]
+            # The store went with node 0: the members are in their final states.
+            members = sorted([0, 1, *spares])
+            finals = {r: torch.load(os.path.join(dump, f"final-{r}.pt"), weights_only=False) for r in members}
+            assert all(sorted(f["members"]) == members and f["committed"] == STEPS - 1 for f in finals.values())
+            assert all(same_state(f["state"], finals[0]["state"]) for f in finals.values())
+            print(f"[nodes] c10d, identical commands: places {places}; node place 1 lost, spares {spares} placed")
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            for f in logs.values():
+                f.close()
+
+
+def dist_store(host: str, port: int) -> Any:
+    """A client of a c10d store (the launchers' TCPStore) from the test."""
+    return torch.distributed.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=150))
+
+
+def _sigterm(job: Job, node: int) -> float:
+    """SIGTERM to node `node`'s launcher (scancel, a pod's deletion); returns how long it took to
+    exit, after asserting its status: its workers' (killed by SIGTERM)."""
+    signalled = time.monotonic()
+    job.launchers[node].send_signal(signal.SIGTERM)
+    status = job.wait([node], timeout_s=30)[node]
+    took = time.monotonic() - signalled
+    assert status == 128 + signal.SIGTERM, job.log(node)[-2000:]
+    assert "ended during shutdown: killed by SIGTERM" in job.log(node), job.log(node)[-2000:]
+    return took
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_a_running_nodes_launcher_is_a_planned_departure(job: Job) -> None:
+    """Node 3's launcher gets SIGTERM while the job trains: it exits within the bound, its
+    ranks are reported gone at once (no lease to wait out), and the others go on with 6."""
+    job.held()
+    took = _sigterm(job, 3)
+    signalled = time.time() - took
+    job.go()
+    status = job.wait([0, 1, 2])
+    assert status == {0: 0, 1: 0, 2: 0}, {i: job.log(i)[-2000:] for i in status}
+    ds = job.decisions()
+    assert sorted(ds[-1].lost) == [6, 7] and ds[-1].members == list(range(6)), ds[-1]
+    gone = job.m.gone([6, 7])
+    assert all(g.kind == "exit" and "its node shut down (SIGTERM)" in g.detail for g in gone.values()), gone
+    print(f"[nodes] SIGTERM to a running node: its launcher exited in {took:.2f} s; decided "
+          f"{ds[-1].t - signalled:.2f} s after the signal (lease {LEASE_S} s)")
+    assert took < SHUTDOWN_BOUND_S and ds[-1].t - signalled < LEASE_S - 1.0, "decided before any lease ran out"
+    check_survivors(job, list(range(6)))
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_during_a_recovery_exits_within_the_bound_and_the_rest_go_on(job: Job) -> None:
+    """Node 2 SIGKILLed whole (its lease must run out: a recovery of seconds); meanwhile node
+    3's launcher gets SIGTERM: it exits within the bound, and nodes 0 and 1 end with 4 ranks."""
+    job.held()
+    job.c.kill_node(2)
+    job.go()
+    deadline = time.monotonic() + 60  # until the survivors are inside the recovery
+    while not [e for e in read_events(job.events) if e["event"] == "aborted"]:
+        assert time.monotonic() < deadline, "no recovery began"
+        time.sleep(0.05)  # polling the events file
+    took = _sigterm(job, 3)
+    print(f"[nodes] SIGTERM during a recovery: the launcher exited in {took:.2f} s")
+    assert took < SHUTDOWN_BOUND_S
+    status = job.wait([0, 1])
+    assert status == {0: 0, 1: 0}, {i: job.log(i)[-2000:] for i in status}
+    check_survivors(job, [0, 1, 2, 3])
+
+
+@pytest.mark.timeout(300)
+def test_a_job_cancelled_on_every_node_at_once_ends_everywhere_within_the_bound(job: Job) -> None:
+    """scancel: SIGTERM to every node's launcher at once while the job trains."""
+    job.held()
+    signalled = time.monotonic()
+    for p in job.launchers.values():
+        p.send_signal(signal.SIGTERM)
+    status = job.wait(list(range(NODES)), timeout_s=30)
+    took = time.monotonic() - signalled
+    print(f"[nodes] SIGTERM to every node: all {NODES} launchers exited within {took:.2f} s")
+    assert took < SHUTDOWN_BOUND_S, {i: job.log(i)[-1500:] for i in range(NODES)}
+    assert all(s == 128 + signal.SIGTERM for s in status.values()), status

@@ -184,8 +184,9 @@ class JoinRecord:
 @dataclass(frozen=True)
 class Gone:
     """Evidence that a rank is gone. kind: "exit" (the launcher saw the process end; detail
-    holds its status), "suspect" (heartbeat silence or a straggler past its bound) or "left"
-    (the members agreed it leaves: a slow rank, `worker/pace_watch.py`)."""
+    holds its status), "suspect" (heartbeat silence or a straggler past its bound), "left"
+    (the members agreed it leaves: a slow rank, `worker/pace_watch.py`) or "unhealthy" (its
+    node failed its health check and left: `node/health.py`)."""
 
     rank: int
     kind: str

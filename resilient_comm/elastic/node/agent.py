@@ -112,6 +112,8 @@ class NodeAgent:
         # On etcd, node liveness is a lease (`lease`); on a TCPStore, a record rewritten by
         # `tick` whose silence is judged.
         self.lease_s = lease_s or node_lease_s() if membership.watches else 0.0
+        # Why this node's processes were told to leave: cut off from the store (`lease`), or
+        # the node left the job (`leave`).
         self.fenced: str | None = None
         self.store_lost: str | None = None
         self.nodes = NodeView(node, nnodes, present)
@@ -351,9 +353,10 @@ class NodeAgent:
         failed_at: float,
         node: int | None = None,
         m: Membership | None = None,
+        kind: str = "suspect",
     ) -> None:
         self.nodes.mark_done(ranks)
-        gones = [Gone(r, "suspect", why, failed_at, f"agent {self.node}") for r in ranks]
+        gones = [Gone(r, kind, why, failed_at, f"agent {self.node}") for r in ranks]
         try:
             first = (m or self.m).report_gone_many(gones, node=node)
         except dist.DistError as e:
@@ -361,8 +364,9 @@ class NodeAgent:
             return
         if first:
             log.warning(
-                "node %d suspects %s %s: %s",
+                "node %d %s %s %s: %s",
                 self.node,
+                "suspects" if kind == "suspect" else "reports gone",
                 "ranks" if len(first) > 1 else "rank",
                 ",".join(map(str, first)),
                 why,
@@ -478,6 +482,23 @@ class NodeAgent:
             self.fenced = why
         log.error("node %d fenced: %s", self.node, why)
         self.broadcast(f"fence {why}")
+
+    def leave(self, why: str) -> None:
+        """The node leaves the job at once, as a lost node (its health check failed,
+        `node.health`; the launcher's loop calls this). Its processes are told ``fence``, as
+        when the node is cut off: they leave (``Evicted``) and its agent judges and beats no
+        more. Then, its store still answering, it reports every process it runs gone in one
+        event that names the node -- the report its ring predecessor would make after the
+        node bound or the lease, made now: the others decide without it at once, and drop it
+        from the ring."""
+        with self._lock:
+            if self.fenced is not None:
+                return
+            self.fenced = why
+            ranks = sorted(r for r, p in self.procs.items() if not p.done)
+        log.error("node %d leaves the job as a lost node: %s", self.node, why)
+        self.broadcast(f"fence {why}")
+        self._suspect(ranks, why, time.time(), node=self.node, kind="unhealthy")
 
 
 __all__ = ["NodeAgent", "node_heartbeat_s", "node_lease_s"]

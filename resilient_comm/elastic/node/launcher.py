@@ -20,7 +20,7 @@ What it does, and how it differs from torchrun:
 - **Never kills survivors** when a worker dies: they recover in-process.
 - **Forwards SIGINT/SIGTERM** to every worker (each runs in its own session, so a terminal's
   Ctrl-C reaches a worker once, through the launcher); a second signal sends SIGKILL. Then it
-  exits: node 0 of a multi-node job waits at most SHUTDOWN_GRACE_S (5 s) for the other nodes
+  exits: node 0 of a multi-node job waits at most SHUTDOWN_GRACE_S (3 s) for the other nodes
   to end (a second signal: not at all), even for a node that never arrived.
 - **Exits with the workers' status**: the status of the workers that were members of the
   last membership decision (evicted or dead ranks that the job recovered from do not count):
@@ -44,14 +44,21 @@ What it does, and how it differs from torchrun:
   in-process: say every replica lost a rank), start the whole group again, up to N times, in a
   fresh namespace (the script resumes from its own checkpoint, as under torchrun). Single
   node only.
+- ``--health-check CMD`` (default ``RESILIENT_COMM_HEALTH_CHECK``; ``builtin:accelerator``
+  checks the GPUs/NPUs and NCCL/HCCL): run before the node joins -- a node that fails it takes
+  no place, starts nothing and exits 69 -- and every ``--health-check-period`` while it runs:
+  a node whose check fails leaves the job as a lost node, at once (node/health.py).
 
 Multi-node: one launcher per node with the same ``--nnodes``, ``--nproc-per-node`` and
 ``--rdzv-endpoint``. With ``--rdzv-backend c10d`` node 0 hosts the store and outlives the
 others' workers; with ``--rdzv-backend etcd`` the membership is on an etcd cluster (the
 endpoint lists its members, ``h1:2379,h2:2379,...``), nobody hosts it, each node's liveness is
 a lease and a node cut off from the etcd majority is fenced (docs/elastic.md). Workers
-publish the address their node reaches the store from (``RESILIENT_COMM_HOST``). Ranks are
-static: ``node_rank * nproc_per_node + local_rank``.
+publish the address their node reaches the store from (``RESILIENT_COMM_HOST``). A node's
+ranks are ``node_rank * nproc_per_node + local_rank``; without ``--node-rank`` the node takes
+its rank (a *place*) from the rendezvous, so every node runs the same command, and a job node
+waits for the job's MIN nodes (``--rdzv-conf join_timeout=S``) before it starts its workers
+(node/rendezvous.py, docs/clusters.md).
 
 ``--nnodes MIN:MAX``: nodes 0 to MIN-1 are the job's (``WORLD_SIZE`` = MIN x nproc); a node
 ranked MIN to MAX-1 is *spare capacity*, started at any time, before or after the job started:
@@ -94,12 +101,27 @@ from resilient_comm.elastic.model.env import (
     EXIT_EVICTED,
 )
 from resilient_comm.elastic.model.records import Gone, now
+from resilient_comm.elastic.node import rendezvous, slurm
 from resilient_comm.elastic.node.agent import NodeAgent
+from resilient_comm.elastic.node.health import (
+    DEFAULT_PERIOD_S,
+    DEFAULT_TIMEOUT_S,
+    ENV_HEALTH_CHECK,
+    EXIT_UNHEALTHY,
+    HealthCheck,
+    HealthMonitor,
+    from_flags,
+)
 from resilient_comm.elastic.node.job_view import JobView
+from resilient_comm.elastic.node.rendezvous import JOIN_TIMEOUT_S
 
 # Node 0, shutting down on a signal: how long it waits for the other nodes to end before it
 # leaves (and takes the store they share with it).
-SHUTDOWN_GRACE_S = 5.0
+SHUTDOWN_GRACE_S = 3.0  # within SHUTDOWN_BOUND_S of the signal, with the workers' own ends
+SHUTDOWN_BOUND_S = 5.0  # a launcher exits within this of a SIGTERM or SIGINT, in any state (tested)
+# A node that failed its health check mid-job: how long its processes have to leave once told
+# (a controller's does at once) before they are killed (a plain script never hears it).
+LEAVE_GRACE_S = 5.0
 
 log = logging.getLogger("resilient_comm.launcher")
 
@@ -135,7 +157,7 @@ class Launcher:
         nproc: int,
         *,
         nnodes: int = 1,
-        node_rank: int = 0,
+        node_rank: int | None = 0,
         endpoint: str = "127.0.0.1:0",
         max_restarts: int = 0,
         run_id: str | None = None,
@@ -147,37 +169,41 @@ class Launcher:
         rdzv_backend: str = "c10d",
         max_nodes: int | None = None,
         metrics_port: int | None = None,
+        join_timeout_s: float = JOIN_TIMEOUT_S,
+        health_check: HealthCheck | None = None,
     ) -> None:
         """`nnodes` and `max_nodes` are ``--nnodes MIN:MAX`` (`max_nodes` None: MAX = MIN);
+        `node_rank` None: this node's place comes from the rendezvous (node/rendezvous.py);
         `spares` None: none on an initial node, `nproc` on a capacity node; `metrics_port`:
-        serve this node's Prometheus metrics there (0: any free port; metrics.py)."""
+        serve this node's Prometheus metrics there (0: any free port; metrics.py);
+        `health_check`: run every period while the node runs, the node leaving the job when it
+        fails (`main` runs it once before making the launcher: node/health.py)."""
         max_nodes = nnodes if max_nodes is None else max_nodes
         if nproc < 1:
             raise ValueError(f"--nproc-per-node {nproc}: must be at least 1")
         if not 1 <= nnodes <= max_nodes:
             raise ValueError(f"--nnodes {nnodes}:{max_nodes}: needs 1 <= MIN <= MAX")
-        if not 0 <= node_rank < max_nodes:
-            raise ValueError(
-                f"--node-rank {node_rank} is out of range: --nnodes {nnodes}:{max_nodes} numbers "
-                f"the nodes 0 to {max_nodes - 1}"
-            )
-        self.capacity = node_rank >= nnodes  # joins as spare capacity: no workers of its own, only spares
-        spares = (nproc if self.capacity else 0) if spares is None else spares
-        if spares < 0 or (max_spare_starts is not None and max_spare_starts < 0):
-            raise ValueError(f"bad spares: --spares {spares}, --max-spare-starts {max_spare_starts}")
-        if self.capacity and not spares:
-            raise ValueError(
-                f"node {node_rank} is a capacity node (--nnodes {nnodes}:{max_nodes}: nodes {nnodes} to "
-                f"{max_nodes - 1} run only spares) and --spares 0 leaves it nothing to run"
-            )
+        if rdzv_backend not in ("c10d", "etcd"):
+            raise ValueError(f"--rdzv-backend {rdzv_backend!r}: c10d (node 0 hosts a TCPStore) or etcd")
+        self.assigned = node_rank is None and max_nodes > 1  # the rendezvous gives the place
+        self.join_timeout_s = join_timeout_s
+        # Every node of a job must use the same run id: a multi-node job without one takes
+        # "default" (as torchrun's "none"; jobs sharing a store then need --rdzv-id).
+        self.run_id = run_id or ("default" if max_nodes > 1 else uuid.uuid4().hex[:8])
         if max_restarts and max_nodes > 1:
             raise ValueError("--max-restarts needs a single node (restarting several nodes is not supported)")
+        if node_rank is not None:  # a static layout is checked before any store is reached
+            _check_place(node_rank, nnodes, max_nodes, nproc, spares, max_spare_starts)
+        self.backend = rdzv_backend
+        self.store, self.hosts_store = self._open_store(endpoint, node_rank, store_timeout)
+        if node_rank is None:
+            node_rank = self._claim(nnodes, max_nodes) if self.assigned else 0
+            _check_place(node_rank, nnodes, max_nodes, nproc, spares, max_spare_starts)
+        self.capacity = node_rank >= nnodes  # joins as spare capacity: no workers of its own, only spares
+        spares = (nproc if self.capacity else 0) if spares is None else spares
         self.cmd, self.nproc, self.nnodes, self.node_rank = cmd, nproc, nnodes, node_rank
         self.max_nodes = max_nodes
         self.max_restarts, self.log_dir, self.extra_env = max_restarts, log_dir, dict(env or {})
-        if rdzv_backend not in ("c10d", "etcd"):
-            raise ValueError(f"--rdzv-backend {rdzv_backend!r}: c10d (node 0 hosts a TCPStore) or etcd")
-        self.run_id = run_id or uuid.uuid4().hex[:8]
         # The job token (docs/security.md): the transports' Hellos carry a MAC of it, so a
         # process without it cannot join a communicator. Handed to the workers through their
         # environment, never the store. One node makes its own; several nodes need the same
@@ -189,21 +215,6 @@ class Launcher:
                 "the workers' ports can join their communicators (docs/security.md)",
                 ENV_TOKEN,
             )
-        self.backend = rdzv_backend
-        self.store: dist.Store
-        if rdzv_backend == "etcd":
-            from resilient_comm.elastic.membership.etcd.store import EtcdStore
-
-            self.store = EtcdStore(endpoint, store_timeout)  # every node is a client: nobody hosts it
-            self.host, self.port = self.store.endpoints[0]
-            self.store_spec = f"etcd://{endpoint}"
-        else:
-            host, port = endpoint.rsplit(":", 1)
-            self.store = dist.TCPStore(
-                host, int(port), None, node_rank == 0, timeout=store_timeout, wait_for_workers=False
-            )
-            self.host, self.port = host, self.store.port
-            self.store_spec = f"{self.host}:{self.port}"
         # The address this node's workers publish for TCP connections: the one it reaches the
         # store from (the host name's address can be another interface's, or loopback).
         self.local_addr = _local_address(self.host) if max_nodes > 1 else None
@@ -218,12 +229,16 @@ class Launcher:
         self._reaped = False
         self._shutting_down = False
         self._signals = 0
+        self._last_signal = 0
         self.job = JobView(self.membership, self._cut_off)
         self.metrics = None
         if metrics_port is not None:
             from resilient_comm.elastic.node.metrics import NodeMetrics
 
             self.metrics = NodeMetrics(node_rank, metrics_port, world=self.world_size)
+        self.health = HealthMonitor(health_check) if health_check is not None else None
+        self.unhealthy: str | None = None  # why this node left the job: its health check failed
+        self._kill_at: float | None = None  # when its processes still running are killed
 
     @property
     def namespace(self) -> str:
@@ -240,6 +255,49 @@ class Launcher:
 
     def membership(self) -> Membership:
         return Membership(self.store, self.namespace, token=self.token)
+
+    def _open_store(
+        self, endpoint: str, node_rank: int | None, timeout: datetime.timedelta
+    ) -> tuple[dist.Store, bool]:
+        """The job's store, and whether this node hosts it (c10d: node 0; without a node rank,
+        whoever can bind the endpoint first)."""
+        if self.backend == "etcd":
+            from resilient_comm.elastic.membership.etcd.store import EtcdStore
+
+            etcd = EtcdStore(endpoint, timeout)  # every node is a client: nobody hosts it
+            self.host, self.port = etcd.endpoints[0]
+            self.store_spec = f"etcd://{endpoint}"
+            return etcd, False
+        host, port = endpoint.rsplit(":", 1)
+        hosting = node_rank == 0
+        store: dist.TCPStore | None = None
+        if node_rank is None and _is_local(host):
+            try:  # the endpoint is this host's, and nobody bound it yet: this node hosts it
+                store = dist.TCPStore(host, int(port), None, True, timeout=timeout, wait_for_workers=False)
+                hosting = True
+            except (RuntimeError, OSError) as e:  # another node's address, or taken: a client
+                log.info("rendezvous: %s:%s is not this node's to host (%s): a client of it", host, port, e)
+        if store is None:
+            store = dist.TCPStore(host, int(port), None, hosting, timeout=timeout, wait_for_workers=False)
+        self.host, self.port = host, store.port
+        self.store_spec = f"{self.host}:{self.port}"
+        return store, hosting
+
+    def _claim(self, least: int, most: int) -> int:
+        """This node's place from the rendezvous (node/rendezvous.py)."""
+        alive = None
+        if self.backend == "etcd":
+            m = Membership(self.store, f"rc/{self.run_id}/g0")
+            alive = lambda n: m.node_record(n) is not None  # noqa: E731 (a leased record: gone with its node)
+        place = rendezvous.claim(
+            self.store, self.run_id, least, most, rendezvous.identity(), self.hosts_store, alive
+        )
+        log.info(
+            "rendezvous: this node is node %d (%s)",
+            place,
+            f"of the job's {least}" if place < least else f"spare capacity: --nnodes {least}:{most}",
+        )
+        return place
 
     def _env(self, rank: int, local_rank: int, spare: bool = False) -> dict[str, str]:
         env = dict(os.environ)
@@ -284,6 +342,8 @@ class Launcher:
     def start(self) -> None:
         """Start this node's workers and spares (a new generation after a restart)."""
         self.workers, self._next_spare, self._ending, self._events_seen = [], 0, False, 0
+        if self.assigned:  # the place's earlier holders' spares keep their ids
+            self._next_spare = rendezvous.first_spare(self.store, self.run_id, self.node_rank)
         if self.agent is not None:
             self.agent.stop()
         self.agent = NodeAgent(
@@ -317,6 +377,8 @@ class Launcher:
             self.namespace,
             " ".join(self.cmd),
         )
+        if self.health is not None:
+            self.health.start()  # (once: a restart's generation keeps the same monitor)
 
     def _spawn(self, rank: int, local_rank: int, spare: bool = False) -> Worker:
         out: IO[bytes] | None = None
@@ -342,6 +404,8 @@ class Launcher:
         own, a capacity node too."""
         spare_id = self.world_size + self._next_spare * self.max_nodes + self.node_rank
         self._next_spare += 1
+        if self.assigned:
+            rendezvous.spare_started(self.store, self.run_id, self.node_rank)
         self.spare_starts += 1
         w = self._spawn(spare_id, local_rank, spare=True)
         log.info("started spare %d (pid %d, local rank %d)", spare_id, w.proc.pid, local_rank)
@@ -360,8 +424,10 @@ class Launcher:
                 if self._reaped or news:
                     self._reaped, self._events_seen = False, self._agent().events_read
                     self._stop_idle_spares()
-            status = self._status()
-            if status == 0 or self._shutting_down or self.generation >= self.max_restarts:
+            status = EXIT_UNHEALTHY if self.unhealthy else self._status()
+            if status == 0 or self.unhealthy or self._shutting_down or self.generation >= self.max_restarts:
+                if self.health is not None:
+                    self.health.stop()
                 self._node_done()
                 self._agent().stop()
                 return status
@@ -379,21 +445,53 @@ class Launcher:
         return self.agent
 
     def _cut_off(self) -> str | None:
-        """Why this node can no longer use the store (its agent fenced it, or lost the store):
+        """Why this node can no longer use the store (its agent fenced it, or lost the store)
+        or has left the job (its health check failed: its agent reported every process gone):
         then nothing is asked of it -- each call would only wait out the store's retry budget
         (10 s on etcd) while the workers' exits wait to be reaped."""
         return None if self.agent is None else self.agent.fenced or self.agent.store_lost
 
     def _serve(self) -> None:
-        """One turn of the loop: exits (pidfds), the agent's socket, the agent's tick."""
+        """One turn of the loop: exits (pidfds), the agent's socket, the agent's tick, the
+        health check's verdict."""
         agent = self._agent()
         for key, _ in self._sel.select(agent.next_tick_in()):
             key.data()
         agent.tick()
+        if self.health is not None and self.health.failed is not None:
+            self._leave(self.health.failed)
+
+    def _leave(self, failed: str) -> None:
+        """The node's health check failed: it leaves the job as a lost node, through its agent
+        (`NodeAgent.leave`: its processes told to stop and reported gone in one event, so the
+        others decide without it now, a spare taking their place where one waits); whatever
+        still runs `LEAVE_GRACE_S` later is killed. Called at every turn of the loop."""
+        if self.unhealthy is None:
+            self.unhealthy = f"node {self.node_rank} is unhealthy: {failed}"
+            self._agent().leave(self.unhealthy)
+            self._kill_at = time.monotonic() + LEAVE_GRACE_S
+        elif self._kill_at is not None and time.monotonic() >= self._kill_at:
+            self._kill_at = None
+            for w in self.workers:
+                if w.status is None:
+                    log.warning("killing %d (pid %d): still running after its node left", w.rank, w.proc.pid)
+                    try:
+                        signal.pidfd_send_signal(w.pidfd, signal.SIGKILL)
+                    except (ProcessLookupError, OSError):
+                        pass  # ended meanwhile; the selector reports it
 
     def run(self) -> int:
+        waiting = self.assigned and not self.capacity
+        if waiting and not rendezvous.wait_for_nodes(
+            self.store, self.run_id, self.nnodes, self.join_timeout_s, lambda: self._shutting_down
+        ):
+            log.warning("shut down by %s while waiting for the job's nodes", self._signal_name())
+            return 128 + self._last_signal
         self.start()
         return self.wait()
+
+    def _signal_name(self) -> str:
+        return signal.Signals(self._last_signal).name if self._last_signal else "a signal"
 
     def _reap(self, w: Worker) -> None:
         returncode = w.proc.wait()
@@ -407,7 +505,22 @@ class Launcher:
         w.status = shell_status(returncode)
         what = describe_status(returncode)
         if self._shutting_down:
+            # A planned departure: the others learn it now instead of waiting out this node's
+            # lease (and when every node is being cancelled, nobody waits for anything).
             log.info("worker %d (pid %d) ended during shutdown: %s", w.rank, w.proc.pid, what)
+            if not self._cut_off() and not (self._ending and w.spare):
+                try:
+                    self.membership().report_gone(
+                        Gone(
+                            w.rank,
+                            "exit",
+                            f"{what}: its node shut down ({self._signal_name()})",
+                            t,
+                            "launcher",
+                        )
+                    )
+                except dist.DistError as e:
+                    log.warning("worker %d: could not report its end: the store failed (%s)", w.rank, e)
             return
         if self._ending and w.spare:
             log.info("spare %d (pid %d) ended: %s", w.rank, w.proc.pid, what)
@@ -489,8 +602,9 @@ class Launcher:
         key = f"rc/{self.run_id}/node-done/"
         agent = self._agent()
         agent.finish()
-        if self.backend != "c10d" or self._cut_off():
+        if self.backend != "c10d" or (self._cut_off() and not self.unhealthy):
             return  # nobody hosts an etcd cluster: no node waits for the others
+        # (A node that left unhealthy still reaches the store: node 0 hosts it for the others.)
         try:
             self.store.set(key + str(self.node_rank), "1")
         except dist.DistError as e:
@@ -523,6 +637,7 @@ class Launcher:
     def forward(self, sig: int) -> None:
         """Pass a signal to every live worker; the second signal is SIGKILL."""
         self._signals += 1
+        self._last_signal = sig if self._signals == 1 else self._last_signal
         self._shutting_down = True
         sig = signal.SIGKILL if self._signals > 1 else sig
         for w in self.workers:
@@ -531,6 +646,71 @@ class Launcher:
                     signal.pidfd_send_signal(w.pidfd, sig)
                 except (ProcessLookupError, OSError):
                     pass  # ended meanwhile; the selector reports it
+
+
+def _check_place(
+    node_rank: int, nnodes: int, max_nodes: int, nproc: int, spares: int | None, max_spare_starts: int | None
+) -> None:
+    """A usage error (ValueError) where node `node_rank` of ``--nnodes nnodes:max_nodes`` with
+    these spares cannot run."""
+    if not 0 <= node_rank < max_nodes:
+        raise ValueError(
+            f"--node-rank {node_rank} is out of range: --nnodes {nnodes}:{max_nodes} numbers "
+            f"the nodes 0 to {max_nodes - 1}"
+        )
+    capacity = node_rank >= nnodes
+    spares = (nproc if capacity else 0) if spares is None else spares
+    if spares < 0 or (max_spare_starts is not None and max_spare_starts < 0):
+        raise ValueError(f"bad spares: --spares {spares}, --max-spare-starts {max_spare_starts}")
+    if capacity and not spares:
+        raise ValueError(
+            f"node {node_rank} is a capacity node (--nnodes {nnodes}:{max_nodes}: nodes {nnodes} to "
+            f"{max_nodes - 1} run only spares) and --spares 0 leaves it nothing to run"
+        )
+
+
+def _rdzv_conf(text: str) -> dict[str, float]:
+    """``--rdzv-conf``'s settings (torchrun's spelling): join_timeout=S; others are refused."""
+    out: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if key != "join_timeout" or not sep:
+            raise ValueError(f"--rdzv-conf {text!r}: known settings: join_timeout=SECONDS (got {item!r})")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            raise ValueError(f"--rdzv-conf {item!r}: {key} takes seconds") from None
+        if out[key] <= 0:
+            raise ValueError(f"--rdzv-conf {item!r}: {key} must be positive")
+    return out
+
+
+def _is_local(host: str) -> bool:
+    """Whether `host` names an address of this host (a TCPStore server listens on every
+    address: only the node the endpoint names may host it)."""
+    try:
+        addr = socket.gethostbyname(host)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((addr, 0))
+        return True
+    except OSError:
+        return False
+
+
+def _healthy_to_join(check: HealthCheck) -> bool:
+    """Run the node's health check before it joins; False, the reason logged, when it failed."""
+    ok, why = check.run()
+    if ok:
+        log.info("health check `%s` passed%s", check.name, f": {why}" if why else "")
+        return True
+    log.error(
+        "%s. This node does not join the job and started nothing (exit status %d). The job goes on "
+        "without it where it can: with --nnodes MIN:MAX it starts once MIN healthy nodes are there; a "
+        "job of fixed size waits for a healthy node to take this one's place (with --node-rank: this rank)",
+        why,
+        EXIT_UNHEALTHY,
+    )
+    return False
 
 
 def _local_address(host: str) -> str:
@@ -561,15 +741,38 @@ def parser() -> argparse.ArgumentParser:
         description="A torchrun-compatible launcher: hosts the job's store, reports a "
         "worker's exit at once, never kills the survivors.",
     )
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, help="workers per node")
+    # Under srun, a flag left at None takes its value from the Slurm step (node/slurm.py).
+    p.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        type=int,
+        default=None,
+        help="workers per node (default 1; under srun: the GPUs Slurm bound to the task, if any)",
+    )
     p.add_argument(
         "--nnodes",
         type=_parse_nnodes,
-        default=(1, 1),
+        default=None,
         metavar="N|MIN:MAX",
-        help="nodes: N, or MIN:MAX (nodes MIN to MAX-1 join, at any time, as spare capacity)",
+        help="nodes: N, or MIN:MAX (nodes MIN to MAX-1 join, at any time, as spare capacity; "
+        "default 1; under srun: the step's nodes)",
     )
-    p.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's rank")
+    p.add_argument(
+        "--node-rank",
+        "--node_rank",
+        type=int,
+        default=None,
+        help="this node's rank (default: a place from the rendezvous, the same command on every node; "
+        "node 0 on a single node)",
+    )
+    p.add_argument(
+        "--rdzv-conf",
+        "--rdzv_conf",
+        default="",
+        metavar="KEY=VALUE,...",
+        help=f"rendezvous settings, as torchrun's: join_timeout=S (default {JOIN_TIMEOUT_S:g}): how long a "
+        "node waits for the job's MIN nodes before it fails",
+    )
     p.add_argument(
         "--rdzv-endpoint", "--rdzv_endpoint", default="", help="host:port of the store (node 0 hosts it)"
     )
@@ -581,7 +784,9 @@ def parser() -> argparse.ArgumentParser:
         help="c10d (node 0 hosts a TCPStore; 'static' is the same) or etcd (the membership on an etcd "
         "cluster at --rdzv-endpoint h1:2379,h2:2379,...: no node's loss takes it down)",
     )
-    p.add_argument("--rdzv-id", "--rdzv_id", default=None, help="run id (default: random)")
+    p.add_argument(
+        "--rdzv-id", "--rdzv_id", default=None, help="run id (default: random; under srun: the Slurm job id)"
+    )
     p.add_argument("--master-addr", "--master_addr", default=None, help="store host when no --rdzv-endpoint")
     p.add_argument(
         "--master-port", "--master_port", type=int, default=None, help="store port when no --rdzv-endpoint"
@@ -629,6 +834,28 @@ def parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument(
+        "--health-check",
+        default=None,
+        metavar="CMD",
+        help="a shell command that exits 0 on a healthy node, or builtin:accelerator (the GPUs/NPUs "
+        "answer, NCCL/HCCL loads); run before the node joins (it does not join if it fails) and every "
+        f"--health-check-period while it runs (it leaves as a lost node). Default: ${ENV_HEALTH_CHECK}",
+    )
+    p.add_argument(
+        "--health-check-period",
+        type=float,
+        default=DEFAULT_PERIOD_S,
+        metavar="S",
+        help=f"seconds between health checks while the node runs (default {DEFAULT_PERIOD_S:g})",
+    )
+    p.add_argument(
+        "--health-check-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="S",
+        help=f"a health check that has not answered in S seconds is killed and fails (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    p.add_argument(
         "--in-process",
         action="store_true",
         help="restart the script in the same processes after a failure (elastic.restartable "
@@ -644,8 +871,14 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     a = p.parse_args(argv)
-    least, most = a.nnodes
     logging.basicConfig(level=logging.INFO, format="[resilient-run] %(message)s", stream=sys.stderr)
+    try:  # a task of an srun step: the flags not given come from Slurm's environment
+        slurm.apply_defaults(a, os.environ)
+    except slurm.SlurmError as e:
+        print(f"resilient-run: {e}", file=sys.stderr)
+        return 2
+    a.nproc_per_node = 1 if a.nproc_per_node is None else a.nproc_per_node
+    least, most = a.nnodes or (1, 1)
     if a.rdzv_endpoint:
         endpoint = a.rdzv_endpoint
     elif a.master_addr or a.master_port:
@@ -675,6 +908,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cmd = [sys.executable, "-u", *inproc, a.script, *a.script_args]
     try:
+        health = from_flags(a.health_check, a.health_check_period, a.health_check_timeout)
+    except ValueError as e:
+        p.error(str(e))
+    if health is not None and not _healthy_to_join(health):
+        return EXIT_UNHEALTHY  # before the launcher: the node takes no place, starts nothing
+    try:
         launcher = Launcher(
             cmd,
             a.nproc_per_node,
@@ -689,15 +928,24 @@ def main(argv: list[str] | None = None) -> int:
             max_spare_starts=a.max_spare_starts,
             rdzv_backend="etcd" if a.rdzv_backend == "etcd" else "c10d",
             metrics_port=a.metrics_port,
+            join_timeout_s=_rdzv_conf(a.rdzv_conf).get("join_timeout", JOIN_TIMEOUT_S),
+            health_check=health,
         )
     except ValueError as e:  # a bad layout (nodes, ranks, spares) or endpoint: a usage error
         p.error(str(e))
+    except rendezvous.RendezvousError as e:  # no place for this node
+        print(f"resilient-run: {e}", file=sys.stderr)
+        return 1
     except (RuntimeError, OSError) as e:  # --metrics-port: no prometheus_client, or the port is taken
         print(f"resilient-run: {e}", file=sys.stderr)
         return 2
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, _f: launcher.forward(s))
-    status = launcher.run()
+    try:
+        status = launcher.run()
+    except rendezvous.RendezvousError as e:  # too few nodes arrived in time
+        print(f"resilient-run: {e}", file=sys.stderr)
+        status = 1
     if launcher.metrics is not None:
         launcher.metrics.close()
     log.info("all workers ended; exit status %d", status)
