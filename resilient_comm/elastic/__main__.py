@@ -2,6 +2,6 @@
 
 import sys
 
-from resilient_comm.elastic.node.launcher import main
+from resilient_comm.elastic.node.cli import main
 
 sys.exit(main())

@@ -168,7 +168,7 @@ sys.exit(1 if gen == "0" else 0)
 
 def test_bad_command_lines_are_refused() -> None:
     with pytest.raises(SystemExit):
-        from resilient_comm.elastic.node.launcher import parser
+        from resilient_comm.elastic.node.cli import parser
 
         parser().parse_args(["--nnodes", "4:1", "x.py"])
     with pytest.raises(ValueError, match="single node"):
@@ -176,7 +176,7 @@ def test_bad_command_lines_are_refused() -> None:
 
 
 def test_nnodes_takes_n_or_a_min_max_range() -> None:
-    from resilient_comm.elastic.node.launcher import parser
+    from resilient_comm.elastic.node.cli import parser
 
     assert [parser().parse_args([*a, "x.py"]).nnodes for a in ([], ["--nnodes", "3"], ["--nnodes", "3:3"],
                                                               ["--nnodes", "2:5"])] == [None, (3, 3), (3, 3), (2, 5)]
@@ -195,7 +195,7 @@ def test_nnodes_takes_n_or_a_min_max_range() -> None:
 ])
 def test_bad_node_ranges_are_refused_with_a_clear_error(args: list[str], error: str,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    from resilient_comm.elastic.node.launcher import main
+    from resilient_comm.elastic.node.cli import main
 
     t0 = time.monotonic()
     with pytest.raises(SystemExit) as e:  # before any store is reached (none listens on port 1)
@@ -322,7 +322,7 @@ def test_a_node_with_no_place_or_too_few_nodes_fails_clearly_and_sigterm_ends_th
     assert proc.returncode == 128 + signal.SIGTERM and "shut down by SIGTERM while waiting for the job's nodes" in err, err
     assert took < 2.0, f"{took:.1f} s after SIGTERM"
     with pytest.raises(SystemExit):
-        from resilient_comm.elastic.node.launcher import main
+        from resilient_comm.elastic.node.cli import main
 
         main(["--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-conf", "join_timeout=soon", w])
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from resilient_comm.elastic.node import launcher
+from resilient_comm.elastic.node import cli, launcher
 from resilient_comm.elastic.node.health import (
     ACCELERATOR,
     ENV_HEALTH_CHECK,
@@ -129,7 +129,7 @@ def test_a_node_that_fails_its_check_does_not_join_and_starts_nothing(
     tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     marker = tmp_path / "started"
-    status = launcher.main(
+    status = cli.main(
         ["--health-check", "echo no GPU 3; exit 1", "--no-python", "touch", str(marker)]
     )
     assert status == EXIT_UNHEALTHY and not marker.exists()

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from resilient_comm.elastic.node.launcher import main, parser
+from resilient_comm.elastic.node.cli import main, parser
 from resilient_comm.elastic.node.slurm import (
     SlurmError,
     apply_defaults,

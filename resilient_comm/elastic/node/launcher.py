@@ -74,7 +74,6 @@ This module is the node agent's process (``resilient-run``, ``python -m resilien
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import logging
 import os
@@ -83,7 +82,6 @@ import selectors
 import signal
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -101,16 +99,12 @@ from resilient_comm.elastic.model.env import (
     EXIT_EVICTED,
 )
 from resilient_comm.elastic.model.records import Gone, now
-from resilient_comm.elastic.node import rendezvous, slurm
+from resilient_comm.elastic.node import rendezvous
 from resilient_comm.elastic.node.agent import NodeAgent
 from resilient_comm.elastic.node.health import (
-    DEFAULT_PERIOD_S,
-    DEFAULT_TIMEOUT_S,
-    ENV_HEALTH_CHECK,
     EXIT_UNHEALTHY,
     HealthCheck,
     HealthMonitor,
-    from_flags,
 )
 from resilient_comm.elastic.node.job_view import JobView
 from resilient_comm.elastic.node.rendezvous import JOIN_TIMEOUT_S
@@ -669,22 +663,6 @@ def _check_place(
         )
 
 
-def _rdzv_conf(text: str) -> dict[str, float]:
-    """``--rdzv-conf``'s settings (torchrun's spelling): join_timeout=S; others are refused."""
-    out: dict[str, float] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        if key != "join_timeout" or not sep:
-            raise ValueError(f"--rdzv-conf {text!r}: known settings: join_timeout=SECONDS (got {item!r})")
-        try:
-            out[key] = float(value)
-        except ValueError:
-            raise ValueError(f"--rdzv-conf {item!r}: {key} takes seconds") from None
-        if out[key] <= 0:
-            raise ValueError(f"--rdzv-conf {item!r}: {key} must be positive")
-    return out
-
-
 def _is_local(host: str) -> bool:
     """Whether `host` names an address of this host (a TCPStore server listens on every
     address: only the node the endpoint names may host it)."""
@@ -697,260 +675,8 @@ def _is_local(host: str) -> bool:
         return False
 
 
-def _healthy_to_join(check: HealthCheck) -> bool:
-    """Run the node's health check before it joins; False, the reason logged, when it failed."""
-    ok, why = check.run()
-    if ok:
-        log.info("health check `%s` passed%s", check.name, f": {why}" if why else "")
-        return True
-    log.error(
-        "%s. This node does not join the job and started nothing (exit status %d). The job goes on "
-        "without it where it can: with --nnodes MIN:MAX it starts once MIN healthy nodes are there; a "
-        "job of fixed size waits for a healthy node to take this one's place (with --node-rank: this rank)",
-        why,
-        EXIT_UNHEALTHY,
-    )
-    return False
-
-
 def _local_address(host: str) -> str:
     """The local address this host uses to reach `host` (no packet is sent)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((socket.gethostbyname(host), 9))
         return str(s.getsockname()[0])
-
-
-def _parse_nnodes(text: str) -> tuple[int, int]:
-    """``N`` or ``MIN:MAX`` -> (MIN, MAX)."""
-    lo, sep, hi = text.partition(":")
-    try:
-        least, most = int(lo), int(hi if sep else lo)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not N or MIN:MAX (whole numbers of nodes)") from None
-    if least < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a job needs at least 1 node (MIN >= 1)")
-    if least > most:
-        raise argparse.ArgumentTypeError(f"{text!r}: MIN {least} is more than MAX {most}")
-    return least, most
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="resilient-run",
-        allow_abbrev=False,
-        description="A torchrun-compatible launcher: hosts the job's store, reports a "
-        "worker's exit at once, never kills the survivors.",
-    )
-    # Under srun, a flag left at None takes its value from the Slurm step (node/slurm.py).
-    p.add_argument(
-        "--nproc-per-node",
-        "--nproc_per_node",
-        type=int,
-        default=None,
-        help="workers per node (default 1; under srun: the GPUs Slurm bound to the task, if any)",
-    )
-    p.add_argument(
-        "--nnodes",
-        type=_parse_nnodes,
-        default=None,
-        metavar="N|MIN:MAX",
-        help="nodes: N, or MIN:MAX (nodes MIN to MAX-1 join, at any time, as spare capacity; "
-        "default 1; under srun: the step's nodes)",
-    )
-    p.add_argument(
-        "--node-rank",
-        "--node_rank",
-        type=int,
-        default=None,
-        help="this node's rank (default: a place from the rendezvous, the same command on every node; "
-        "node 0 on a single node)",
-    )
-    p.add_argument(
-        "--rdzv-conf",
-        "--rdzv_conf",
-        default="",
-        metavar="KEY=VALUE,...",
-        help=f"rendezvous settings, as torchrun's: join_timeout=S (default {JOIN_TIMEOUT_S:g}): how long a "
-        "node waits for the job's MIN nodes before it fails",
-    )
-    p.add_argument(
-        "--rdzv-endpoint", "--rdzv_endpoint", default="", help="host:port of the store (node 0 hosts it)"
-    )
-    p.add_argument(
-        "--rdzv-backend",
-        "--rdzv_backend",
-        default="c10d",
-        choices=("c10d", "etcd", "static"),
-        help="c10d (node 0 hosts a TCPStore; 'static' is the same) or etcd (the membership on an etcd "
-        "cluster at --rdzv-endpoint h1:2379,h2:2379,...: no node's loss takes it down)",
-    )
-    p.add_argument(
-        "--rdzv-id", "--rdzv_id", default=None, help="run id (default: random; under srun: the Slurm job id)"
-    )
-    p.add_argument("--master-addr", "--master_addr", default=None, help="store host when no --rdzv-endpoint")
-    p.add_argument(
-        "--master-port", "--master_port", type=int, default=None, help="store port when no --rdzv-endpoint"
-    )
-    p.add_argument("--standalone", action="store_true", help="single node on a free local port (the default)")
-    p.add_argument(
-        "--max-restarts",
-        "--max_restarts",
-        type=int,
-        default=0,
-        help="whole-group restarts when no worker survives to recover (default 0)",
-    )
-    p.add_argument(
-        "--monitor-interval",
-        "--monitor_interval",
-        type=float,
-        default=None,
-        help="accepted for torchrun compatibility; exits are seen at once (pidfd), not polled",
-    )
-    p.add_argument(
-        "--spares",
-        type=int,
-        default=None,
-        help="hot spares this node keeps waiting (default 0; on a capacity node --nproc-per-node)",
-    )
-    p.add_argument(
-        "--max-spare-starts",
-        "--max_spare_starts",
-        type=int,
-        default=None,
-        metavar="N",
-        help="spares started to refill the pool after failures, in all (default unlimited)",
-    )
-    p.add_argument(
-        "--log-dir", "--log_dir", default=None, help="write each worker's output to DIR/GEN/RANK.log"
-    )
-    (
-        p.add_argument(
-            "--metrics-port",
-            type=int,
-            default=None,
-            metavar="N",
-            help="serve this node's Prometheus metrics at http://0.0.0.0:N/metrics (0: any free port, "
-            "logged; needs prometheus_client: resilient_comm[metrics])",
-        ),
-    )
-    p.add_argument(
-        "--health-check",
-        default=None,
-        metavar="CMD",
-        help="a shell command that exits 0 on a healthy node, or builtin:accelerator (the GPUs/NPUs "
-        "answer, NCCL/HCCL loads); run before the node joins (it does not join if it fails) and every "
-        f"--health-check-period while it runs (it leaves as a lost node). Default: ${ENV_HEALTH_CHECK}",
-    )
-    p.add_argument(
-        "--health-check-period",
-        type=float,
-        default=DEFAULT_PERIOD_S,
-        metavar="S",
-        help=f"seconds between health checks while the node runs (default {DEFAULT_PERIOD_S:g})",
-    )
-    p.add_argument(
-        "--health-check-timeout",
-        type=float,
-        default=DEFAULT_TIMEOUT_S,
-        metavar="S",
-        help=f"a health check that has not answered in S seconds is killed and fails (default {DEFAULT_TIMEOUT_S:g})",
-    )
-    p.add_argument(
-        "--in-process",
-        action="store_true",
-        help="restart the script in the same processes after a failure (elastic.restartable "
-        "around its __main__)",
-    )
-    p.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
-    p.add_argument("--no-python", "--no_python", action="store_true", help="run the script as a program")
-    p.add_argument("script", help="the training script (or module, or program)")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = parser()
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[resilient-run] %(message)s", stream=sys.stderr)
-    try:  # a task of an srun step: the flags not given come from Slurm's environment
-        slurm.apply_defaults(a, os.environ)
-    except slurm.SlurmError as e:
-        print(f"resilient-run: {e}", file=sys.stderr)
-        return 2
-    a.nproc_per_node = 1 if a.nproc_per_node is None else a.nproc_per_node
-    least, most = a.nnodes or (1, 1)
-    if a.rdzv_endpoint:
-        endpoint = a.rdzv_endpoint
-    elif a.master_addr or a.master_port:
-        endpoint = f"{a.master_addr or '127.0.0.1'}:{a.master_port or 0}"
-    else:
-        endpoint = "127.0.0.1:0"
-    if most > 1 and endpoint.endswith(":0"):
-        print(
-            "resilient-run: more than one node (--nnodes N or MIN:MAX) needs --rdzv-endpoint host:port",
-            file=sys.stderr,
-        )
-        return 2
-    if a.rdzv_backend == "etcd" and not a.rdzv_endpoint:
-        print(
-            "resilient-run: --rdzv-backend etcd needs --rdzv-endpoint host:port[,host:port...]",
-            file=sys.stderr,
-        )
-        return 2
-    if a.in_process and a.no_python:
-        print("resilient-run: --in-process runs a Python script or module, not --no-python", file=sys.stderr)
-        return 2
-    inproc = ["-m", "resilient_comm.elastic.worker.inprocess_main"] if a.in_process else []
-    if a.no_python:
-        cmd = [a.script, *a.script_args]
-    elif a.module:
-        cmd = [sys.executable, "-u", *inproc, "-m", a.script, *a.script_args]
-    else:
-        cmd = [sys.executable, "-u", *inproc, a.script, *a.script_args]
-    try:
-        health = from_flags(a.health_check, a.health_check_period, a.health_check_timeout)
-    except ValueError as e:
-        p.error(str(e))
-    if health is not None and not _healthy_to_join(health):
-        return EXIT_UNHEALTHY  # before the launcher: the node takes no place, starts nothing
-    try:
-        launcher = Launcher(
-            cmd,
-            a.nproc_per_node,
-            nnodes=least,
-            max_nodes=most,
-            node_rank=a.node_rank,
-            endpoint=endpoint,
-            max_restarts=a.max_restarts,
-            run_id=a.rdzv_id,
-            log_dir=a.log_dir,
-            spares=a.spares,
-            max_spare_starts=a.max_spare_starts,
-            rdzv_backend="etcd" if a.rdzv_backend == "etcd" else "c10d",
-            metrics_port=a.metrics_port,
-            join_timeout_s=_rdzv_conf(a.rdzv_conf).get("join_timeout", JOIN_TIMEOUT_S),
-            health_check=health,
-        )
-    except ValueError as e:  # a bad layout (nodes, ranks, spares) or endpoint: a usage error
-        p.error(str(e))
-    except rendezvous.RendezvousError as e:  # no place for this node
-        print(f"resilient-run: {e}", file=sys.stderr)
-        return 1
-    except (RuntimeError, OSError) as e:  # --metrics-port: no prometheus_client, or the port is taken
-        print(f"resilient-run: {e}", file=sys.stderr)
-        return 2
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda s, _f: launcher.forward(s))
-    try:
-        status = launcher.run()
-    except rendezvous.RendezvousError as e:  # too few nodes arrived in time
-        print(f"resilient-run: {e}", file=sys.stderr)
-        status = 1
-    if launcher.metrics is not None:
-        launcher.metrics.close()
-    log.info("all workers ended; exit status %d", status)
-    return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())
