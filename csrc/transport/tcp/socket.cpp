@@ -153,11 +153,14 @@ Result<Socket> connectTo(const std::string& host, int port, const Deadline& dl, 
       RC_RETURN_IF_ERROR(setNoDelay(s.fd()));
       return s;
     }
-    if (err == ECONNREFUSED && !retryRefused) {
-      return Status(StatusCode::kPeerFailure,
-                    "connect to " + host + ":" + std::to_string(port) + " refused: the process is gone");
+    // A reset during the handshake is a refusal too: the listener closed with our connection
+    // still in its accept queue (its process exiting), which the kernel answers with a RST.
+    const bool refused = err == ECONNREFUSED || err == ECONNRESET;
+    if (refused && !retryRefused) {
+      return Status(StatusCode::kPeerFailure, "connect to " + host + ":" + std::to_string(port) + " " +
+                                                  (err == ECONNRESET ? "reset" : "refused") + ": the process is gone");
     }
-    if (err != ECONNREFUSED && err != ETIMEDOUT && err != EHOSTUNREACH && err != ENETUNREACH) {
+    if (!refused && err != ETIMEDOUT && err != EHOSTUNREACH && err != ENETUNREACH) {
       errno = err;
       return RC_SYS_ERROR(("connect to " + host + ":" + std::to_string(port)).c_str());
     }
