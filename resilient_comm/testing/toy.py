@@ -262,6 +262,8 @@ def run_elastic(a: argparse.Namespace) -> int:
             holds.discard(info["step"])
             store.set(f"toy/held/{rank}/{info['step']}", "1")
             store.wait([f"toy/go/{info['step']}"])
+        if event == "step.start" and a.log_starts:
+            events.write("begin", step=info["step"])
         if event == "step.committed":
             events.write("commit", step=info["step"])
             if info["step"] in flips:  # once: the redone step after a roll back does not flip again
@@ -553,6 +555,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--data-ids", default=None, help="elastic: data stream of each replica, comma-separated")
     p.add_argument("--dtype", default="float64", choices=("float64", "float32"), help="model dtype")
+    p.add_argument("--log-starts", action="store_true", help="elastic: a 'begin' event at each step's start")
     p.add_argument("--digest", action="store_true", help="elastic: state hash in each 'restored' event")
     p.add_argument("--ckpt-dir", default=None, help="elastic: the controller's async checkpoints go here")
     p.add_argument("--ckpt-dir-every", type=int, default=0, help="elastic: async checkpoint every N steps")

@@ -1,4 +1,4 @@
-"""The `resilient-comm` command: demo, bench {checkpoint,collectives,control-plane,etcd-costs,integrity,nccl,overhead,primitives,reconfigure,recovery}, chaos, sim, doctor."""
+"""The `resilient-comm` command: demo, bench {checkpoint,collectives,compare,control-plane,etcd-costs,integrity,nccl,overhead,primitives,reconfigure,recovery}, chaos, sim, doctor."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ def _bench(argv: list[str]) -> int:
     suites = {
         "checkpoint": "resilient_comm.tools.bench.checkpoint",
         "collectives": "resilient_comm.tools.bench.collectives",
+        "compare": "resilient_comm.tools.bench.compare",
         "control-plane": "resilient_comm.tools.bench.control_plane",
         "etcd-costs": "resilient_comm.tools.bench.etcd_costs",
         "integrity": "resilient_comm.tools.bench.integrity",

@@ -107,6 +107,33 @@ def test_sigkill_one_worker_matches_fault_free_run_on_survivors(tmp_path: Any, f
         assert same_state(v["state"], want), f"rank {r}: recovered training differs from the fault-free run"
 
 
+@pytest.mark.timeout(150)
+def test_a_death_heard_while_the_survivors_compute_costs_no_step_redone(tmp_path: Any,
+                                                                        fault_free: dict[int, Any]) -> None:
+    """[Note: keeping the computed step] Rank 2 dies at the start of step 12 while the
+    others compute it (400 ms): its launcher's report reaches them before their sync, they
+    recover then and sync the step they computed on the survivors' groups. Each survivor
+    started step 12 once, and the result is the fault-free run's on the survivors from step 12."""
+    status, job = run(str(tmp_path / "elastic"), WORLD, "--kill", "2:12:start", "--step-ms", "400",
+                      "--log-starts", "--dump", str(tmp_path / "elastic" / "dump"))
+    assert status == 0, f"launcher status {status}"
+    survivors = [0, 1, 3]
+    d = dumps(job, survivors)
+    begins: dict[int, list[int]] = {}
+    for e in job.events():
+        if e["event"] == "begin":
+            begins.setdefault(e["rank"], []).append(e["step"])
+    for r in survivors:
+        (tl,) = d[r]["recoveries"]
+        assert "reported gone while step 12 computed" in tl["cause"], tl["cause"]
+        assert tl["resume_step"] == 12 and tl["members"] == survivors, tl
+        assert begins[r] == list(range(STEPS)), f"rank {r} started steps {begins[r]}: one was redone"
+        assert commits_by_rank(job)[r] == list(range(STEPS))
+    want = reference(str(tmp_path), fault_free, [(12, survivors)])
+    for r, v in d.items():
+        assert same_state(v["state"], want), f"rank {r}: recovered training differs from the fault-free run"
+
+
 @pytest.mark.timeout(170)
 @pytest.mark.parametrize("seed", [SEED + 1])
 def test_sigkill_two_workers_at_random_steps(tmp_path: Any, fault_free: dict[int, Any], seed: int) -> None:

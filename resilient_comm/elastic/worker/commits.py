@@ -43,6 +43,8 @@ class Commits:
         self.pending: tuple[int, Callable[[], Any]] | None = None
         self.snapshot: tuple[int, dict[str, Any]] | None = None
         self.dirty = False
+        self.kept = False  # the last restore kept the step in flight's computed state
+        self.grads_intact = True  # the step in flight's gradients are as its backward left them
         self.snapshot_on = snapshot_on
         self.ckpts = ckpts
         self._emit = emit
@@ -75,11 +77,15 @@ class Commits:
         device: torch.device,
     ) -> None:
         """Average `grads` over `dp` (of `dp_size` members), vote on `world` (on `device`),
-        then apply the update: only once every member voted is the step committed."""
+        then apply the update: only once every member voted is the step committed. The
+        all_reduce runs on a flat copy: until the average is copied back, a failure leaves
+        `grads` as they were (`grads_intact`)."""
+        self.grads_intact = True
         if grads:
             flat = _flatten_dense_tensors(list(grads))
             dist.all_reduce(flat, group=dp)
             flat /= dp_size
+            self.grads_intact = False
             for t, reduced in zip(grads, _unflatten_dense_tensors(flat, list(grads))):
                 t.copy_(reduced)
         self._emit("step.synced", step=step)
@@ -99,11 +105,23 @@ class Commits:
         m: Membership,
         place: Callable[[], Place],
         world: Callable[[], dist.ProcessGroup],
+        keep: int | None = None,
     ) -> None:
         """Bring launch rank `rank` to `d`'s committed step: roll forward or back, load the
         agreed checkpoint (as `place()`), or receive the state from a donor (and send it, as a
-        donor) over `world()`."""
+        donor) over `world()`. `keep`: the step in flight, computed and not yet synced, whose
+        state stays as it is when `d` resumes at it and moves no state (`kept`)."""
         top = d.resume_step - 1
+        self.kept = (
+            keep == d.resume_step
+            and d.restore != "checkpoint"
+            and not d.sources
+            and self.committed == top
+            and self.pending is None
+        )
+        if self.kept:
+            self.next_step = d.resume_step  # dirty: the step is still in flight
+            return
         self.ckpts.wait_snapshot()  # its host copy must not see the state change under it
         receivers = {j: donor for j, donor in d.sources}
         if d.restore == "checkpoint":

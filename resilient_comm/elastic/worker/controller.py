@@ -110,6 +110,11 @@ from resilient_comm.elastic.worker.timelines import Timelines
 log = logging.getLogger("resilient_comm.elastic")
 
 
+class _Redo(Exception):
+    """A recovery ran before this step's sync and the step must run again (the decision
+    moved the state); `Step.__exit__` swallows it, the recovery being done."""
+
+
 class Step:
     """One training step; use as a context manager and call `commit` inside it."""
 
@@ -137,7 +142,7 @@ class Step:
         if isinstance(ev, dist.DistBackendError):
             self._ctl._recover(ev, op_error=not isinstance(ev, resilient_comm.CommAbortedError))
             return True
-        return False
+        return isinstance(ev, _Redo)
 
 
 class Controller(Evidence):
@@ -222,6 +227,7 @@ class Controller(Evidence):
         self._ready = False
         self._step_started = 0.0
         self._tries: dict[int, int] = {}
+        self._keep: int | None = None  # a step whose computed state a recovery may keep
         self._groups: Groups | None = None
         self._device_mesh: tuple[Groups | None, Any] | None = None  # (the groups it was built over, it)
         Evidence.__init__(self, self.rank, initial.members)  # _held: the groups of this process
@@ -390,9 +396,22 @@ class Controller(Evidence):
 
     def _commit(self, step: int, apply: Callable[[], Any], grads: Sequence[torch.Tensor]) -> None:
         self.pace.note(time.monotonic() - self._step_started)  # its own work, before any wait
-        self._detector.progress(step, "sync")
-        g = self.groups
-        self._commits.commit(step, apply, grads, g.dp, self.mesh.dp, g.world, self._vote_device)
+        with self._lock:
+            lost = sorted(r for r in self._decision.members if r in self._evidence)
+        if lost:
+            self._recover_keeping(
+                step, RuntimeError(f"rank(s) {lost} reported gone while step {step} computed"), False
+            )
+        while True:
+            self._detector.progress(step, "sync")
+            g = self.groups
+            try:
+                self._commits.commit(step, apply, grads, g.dp, self.mesh.dp, g.world, self._vote_device)
+                break
+            except dist.DistBackendError as e:
+                if not self._commits.grads_intact:
+                    raise  # the step runs again (`Step.__exit__`)
+                self._recover_keeping(step, e, not isinstance(e, resilient_comm.CommAbortedError))
         self._detector.step_done(time.monotonic() - self._step_started)
         self._timelines.first_commit(self._lock, self._detector.report)
         self._emit("step.committed", step=step)
@@ -420,6 +439,25 @@ class Controller(Evidence):
                 self._recover(
                     RuntimeError(f"planned: slow rank(s) {leave} left after step {step}"), op_error=False
                 )
+
+    def _recover_keeping(self, step: int, cause: BaseException, op_error: bool) -> None:
+        """[Note: keeping the computed step] A failure that reaches a member before its step's
+        gradients were touched -- reported while the step computed (its launcher's report, a
+        heartbeat), or failing the gradients' all_reduce, which runs on a flat copy -- leaves
+        those gradients intact. With pure data parallelism (tp = pp = 1), when the decision
+        resumes at this step and moves no state (no checkpoint load, no spare to copy to), the
+        step's computation stands and its sync runs again on the new groups: bit for bit what
+        the redone step would compute (same parameters, same batch per slot), without its
+        compute. A member whose all_reduce had finished (its gradients averaged) redoes the
+        step, and so does everyone when the decision moves state (`_Redo`)."""
+        mesh = self.mesh
+        self._keep = step if mesh.tp == 1 and mesh.pp == 1 else None
+        try:
+            self._recover(cause, op_error=op_error)
+        finally:
+            kept, self._keep = self._commits.kept, None
+        if not (kept and self.next_step == step):
+            raise _Redo()
 
     # -- failure evidence (detector threads) ----------------------------------------------
 
@@ -562,7 +600,7 @@ class Controller(Evidence):
     def _restore(self, d: Decision) -> None:
         """Bring this member to the decision's committed step (`Commits.restore`)."""
         self._commits.restore(
-            d, self.rank, self._state, self._m, lambda: self.place, lambda: self.groups.world
+            d, self.rank, self._state, self._m, lambda: self.place, lambda: self.groups.world, self._keep
         )
 
     # -- the end --------------------------------------------------------------------------
