@@ -480,6 +480,25 @@ def test_restore_rolls_forward_exactly_once_or_back_to_the_snapshot(store: dist.
         _bare(store, committed=5)._restore(d)
 
 
+def test_restore_keeps_a_computed_step_only_where_the_decision_moves_no_state(store: dist.TCPStore) -> None:
+    """[Note: keeping the computed step] The step in flight (8), computed and not synced: kept
+    when the decision resumes at it as a shrink; rolled back to its snapshot when the decision
+    loads a checkpoint or copies a state to a spare, or when no step is to be kept."""
+    d = Decision(1, [0, 1], Mesh(dp=2).as_dict(), "shrink", 8)
+    state = _State()
+    c = _bare(store, committed=7, dirty=True, _state=state, snapshot=(8, {"w": 1}), _keep=8)
+    c._restore(d)
+    assert (state.loaded, c._commits.kept, c._commits.dirty, c.next_step) == ([], True, True, 8)
+    c = _bare(store, committed=7, dirty=True, _state=state, snapshot=(8, {"w": 1}))
+    c._restore(d)
+    assert (state.loaded, c._commits.kept, c.next_step) == ([{"w": 1}], False, 8), "nothing to keep: rolled back"
+    spare = Decision(1, [0, 1, 2], Mesh(dp=3).as_dict(), "shrink", 8, sources=[[2, 1]], restore="peer")
+    state = _State()
+    c = _bare(store, committed=7, dirty=True, _state=state, snapshot=(8, {"w": 1}), _keep=8)
+    c._commits.restore(spare, 0, state, c._m, lambda: None, lambda: None, keep=8)  # 0: neither side
+    assert (state.loaded, c._commits.kept) == ([{"w": 1}], False), "a spare computes step 8: all redo it"
+
+
 def test_detector_config_comes_from_the_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert DetectorConfig.from_env() == DetectorConfig()
     monkeypatch.setenv("RESILIENT_COMM_HEARTBEAT_MS", "50")

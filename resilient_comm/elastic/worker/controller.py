@@ -148,6 +148,8 @@ class Step:
 class Controller(Evidence):
     """One per worker process; its methods are for the training thread only."""
 
+    _keep: int | None = None  # a step whose computed state a recovery may keep (`_recover_keeping`)
+
     def __init__(
         self,
         state: Stateful | StateFactory | None = None,
@@ -227,7 +229,6 @@ class Controller(Evidence):
         self._ready = False
         self._step_started = 0.0
         self._tries: dict[int, int] = {}
-        self._keep: int | None = None  # a step whose computed state a recovery may keep
         self._groups: Groups | None = None
         self._device_mesh: tuple[Groups | None, Any] | None = None  # (the groups it was built over, it)
         Evidence.__init__(self, self.rank, initial.members)  # _held: the groups of this process
