@@ -8,6 +8,7 @@ import math
 import os
 import platform
 import re
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -32,6 +33,19 @@ def human_bytes(n: int) -> str:
 def iters_for(target_s: float, per_op_s: float, lo: int, hi: int) -> int:
     """Iterations that fill target_s at per_op_s each, in [lo, hi]."""
     return max(lo, min(hi, math.ceil(target_s / max(per_op_s, 1e-7))))
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a server started next)."""
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return int(sk.getsockname()[1])
+
+
+def p90(xs: list[float]) -> float:
+    """The 90th percentile of `xs` (nearest rank)."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(0.9 * (len(s) - 1)))]
 
 
 def timed_block(fn: Callable[[], None], k: int) -> float:

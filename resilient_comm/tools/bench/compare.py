@@ -40,7 +40,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,7 +50,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Any
 
-from resilient_comm.tools.bench.common import machine
+from resilient_comm.tools.bench.common import free_port, machine, p90
 
 JOB = "resilient_comm.tools.bench.compare_job"
 # torchft's fastest settings that recovered in every repetition here (8 ranks, 5 reps each; the
@@ -131,12 +130,6 @@ class Run:
     note: str = ""
 
 
-def _free_port() -> int:
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        return int(sk.getsockname()[1])
-
-
 def _lighthouse_bin() -> str:
     here = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
     return here if os.path.exists(here) else shutil.which("torchft_lighthouse") or "torchft_lighthouse"
@@ -171,7 +164,7 @@ class Job:
         if stack.kind == "torchrun":
             cmd = [
                 sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world),
-                "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+                "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
                 *job, "--ckpt", os.path.join(workdir, "ckpt.pt"),
             ]  # fmt: skip
             self._spawn(cmd, {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
@@ -198,7 +191,7 @@ class Job:
             threading.Thread(target=self._report_exits, name="bench-exits", daemon=True).start()
         else:
             # The Lighthouse as torchft's README starts it (its command, its flags), on a free port.
-            port = _free_port()
+            port = free_port()
             flags = [f"--{k}={int(v)}" for k, v in stack.torchft.items() if k in LIGHTHOUSE_KEYS]
             lighthouse = [_lighthouse_bin(), "--min_replicas", "1", "--bind", f"127.0.0.1:{port}", *flags]
             self._spawn(lighthouse, {**env, "RUST_LOG": "warn"})
@@ -376,11 +369,6 @@ def _skip_reason(stack: Stack) -> str | None:
     return None
 
 
-def _p90(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(0.9 * (len(s) - 1)))]
-
-
 def summarize(
     runs: list[Run], chosen: list[Stack], skipped: dict[str, str], bound_s: float
 ) -> tuple[list[dict[str, Any]], list[str]]:
@@ -406,7 +394,7 @@ def summarize(
                     "recovered": len(got),
                     "equal": sum(bool(r.equal) for r in rs),
                     "median_s": med,
-                    "p90_s": _p90(got) if got else None,
+                    "p90_s": p90(got) if got else None,
                     "x_ours": med / ours if med is not None and ours else None,
                     "redone": max((r.redone for r in rs if r.redone is not None), default=None),
                     "notes": sorted({r.note for r in rs if r.note}),

@@ -15,7 +15,7 @@ around the step differs, and each is written the way its own documentation says:
   rank whose all_reduce finished before the failure rolls its last update back).
 - ``torchft``: one replica group per process (torchft's DDP example: "for DDP we can use
   replica groups of size 1"), its `Manager`, `DistributedDataParallel` and `Optimizer` over
-  its `ProcessGroupGloo`; the Lighthouse runs in the bench. A step whose all_reduce failed is
+  its `ProcessGroupGloo`; the bench starts the `torchft_lighthouse` command. A step whose all_reduce failed is
   not committed; the next quorum leaves the dead replica out.
 - ``ours``: the elastic `Controller` under ``resilient-run`` (docs/elastic.md's loop).
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from resilient_comm.testing import WorkerContext, all_reduce_until_failure, start_workers
-from resilient_comm.tools.bench.common import machine
+from resilient_comm.tools.bench.common import machine, p90
 
 VICTIM = 1
 STACKS = {"gloo": "gloo", "resilient_tcp": "resilient_tcp", "nccl-emu": "resilient_nccl"}
@@ -101,11 +101,6 @@ def _one(stack: str, world: int, timeout_s: float | None, numel: int) -> dict:
     }
 
 
-def _p90(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(0.9 * (len(s) - 1)))]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="resilient-comm bench reconfigure", description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, nargs="+", default=[4, 8], help="world sizes (default 4 8)")
@@ -171,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                     "world": world,
                     "ok": f"{len(good)}/{len(rs)}",
                     **med,
-                    "p90_kill_to_allreduce_s": _p90([r["kill_to_allreduce_s"] for r in good]),
+                    "p90_kill_to_allreduce_s": p90([r["kill_to_allreduce_s"] for r in good]),
                 }
             )
         for s in summary:

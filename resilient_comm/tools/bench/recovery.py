@@ -46,7 +46,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,7 +56,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from resilient_comm.testing.toy import ToyJob, read_events
-from resilient_comm.tools.bench.common import machine
+from resilient_comm.tools.bench.common import free_port, machine
 
 FIX = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 TARGETS = {4: 0.5, 8: 1.0}  # s, kill -> first committed step, median
@@ -265,12 +264,6 @@ def run_script(nproc: int, rep: int, s: Settings, root: str, system: str) -> Run
     return run
 
 
-def _free_port() -> int:
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        return int(sk.getsockname()[1])
-
-
 def _end(proc: subprocess.Popen, events_dir: str) -> None:
     """Stop a torchrun that did not finish, then any of its workers still alive (their pids
     are in their event files' names: they run in sessions of their own)."""
@@ -305,7 +298,7 @@ def run_torchrun(nproc: int, rep: int, s: Settings, root: str, fix: bool) -> Run
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
-        f"127.0.0.1:{_free_port()}",
+        f"127.0.0.1:{free_port()}",
         "-m",
         "resilient_comm.testing.toy",
         "--baseline",
