@@ -7,7 +7,13 @@ import os
 from types import TracebackType
 
 ROOT = "/sys/fs/cgroup/cpu"
-PERIOD_US = 100_000
+# The scheduler's accounting period. A throttled clock slows every instruction alike; a quota
+# over CFS's default 100 ms period instead lets a process run at full speed for its share of
+# each period and then stops it for the rest, so of steps a few ms long some run at full speed
+# and some wait ~90 ms (a 10-step window's median then flips between the two: measured). Over
+# 10 ms every step of a few ms spans several periods and is slowed alike.
+PERIOD_US = 10_000
+MIN_QUOTA_US = 1_000  # the kernel's floor
 
 
 def available() -> str | None:
@@ -29,8 +35,9 @@ class CpuQuota:
         self.pid = pid
         self.path = os.path.join(ROOT, f"resilient-comm-{os.getpid()}-{pid}")
         os.makedirs(self.path, exist_ok=True)
-        self._write("cpu.cfs_period_us", str(PERIOD_US))
-        self._write("cpu.cfs_quota_us", str(max(1000, int(cores * PERIOD_US))))
+        period = min(1_000_000, max(PERIOD_US, int(MIN_QUOTA_US / cores)))  # under 0.1 core: a longer period
+        self._write("cpu.cfs_period_us", str(period))
+        self._write("cpu.cfs_quota_us", str(max(MIN_QUOTA_US, int(cores * period))))
         self._write("cgroup.procs", str(pid))
 
     def _write(self, name: str, value: str) -> None:

@@ -133,6 +133,12 @@ ctl.close()
 '''
 
 
+# The checkpoints saved before the kill at step 7 (every 2 steps). Which is the newest complete
+# one depends on the disk: a save is skipped while its predecessor is still being written
+# (`AsyncCheckpointer`, if_busy="skip"), and under CI's load steps 3 and 5 were (1 loaded).
+SAVED = (1, 3, 5)
+
+
 def _reference(tmp_path: pathlib.Path, streams_until: dict[int, list[int]]) -> dict[str, torch.Tensor]:
     """One process, the whole model: step s on the batches of the streams given for the first
     key >= s (the mean over them: FSDP2's dp average of each replica's mean)."""
@@ -171,7 +177,7 @@ def test_fsdp2_losing_a_replica_reshards_the_checkpoint_onto_the_survivors(tmp_p
     assert got["members"] == [0, 1] and got["mesh"] == {"tp": 2, "pp": 1, "dp": 1}, got
     assert len(got["loaded"]) == 1 and got["resharded_from"] == [{"tp": 2, "pp": 1, "dp": 2}], got
     c = got["loaded"][0]
-    assert c in (3, 5), f"the newest complete checkpoint before step 7: {c}"
+    assert c in SAVED, f"a complete checkpoint from before step 7: {c}"
     ref = _reference(tmp_path, {c: [0, 1], 10**9: [0]})
     for k, v in ref.items():
         torch.testing.assert_close(got["full"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
@@ -181,7 +187,7 @@ def test_fsdp2_losing_a_replica_reshards_the_checkpoint_onto_the_survivors(tmp_p
 def test_fsdp2_with_a_spare_keeps_dp2_and_equals_the_fault_free_run(tmp_path: pathlib.Path) -> None:
     got = _run_sharded(tmp_path, spares=1)
     assert sorted(got["members"]) == [0, 1, 2, 4] and got["mesh"] == {"tp": 2, "pp": 1, "dp": 2}, got
-    assert len(got["loaded"]) == 1 and got["loaded"][0] in (3, 5), got
+    assert len(got["loaded"]) == 1 and got["loaded"][0] in SAVED, got
     ref = _reference(tmp_path, {10**9: [0, 1]})
     for k, v in ref.items():
         torch.testing.assert_close(got["full"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")

@@ -523,3 +523,47 @@ def test_the_commit_vote_runs_on_the_jobs_accelerator(monkeypatch: pytest.Monkey
     assert vote_device("resilient_nccl") == torch.device("cuda", 3), "a GPU job votes on NCCL, not TCP"
     assert vote_device("resilient_tcp") == torch.device("cpu")
     assert vote_device("resilient_nccl", "cuda:1") == torch.device("cuda", 1)
+
+
+def test_a_planned_departure_aborts_nothing_at_once_and_only_a_member_that_did_not_recover() -> None:
+    """[Note: a planned departure aborts nothing] A slow rank's leave (Gone kind "left") is
+    recorded as evidence without aborting the member's groups: it may still be finishing the
+    judgement's collectives with the leaver. Its guard aborts them after LEFT_GRACE_S only
+    where the member has not recovered meanwhile; any other kind of report aborts at once."""
+    from resilient_comm.elastic.worker.evidence import Evidence
+
+    class Member(Evidence):
+        LEFT_GRACE_S = 0.05
+
+        def __init__(self) -> None:
+            super().__init__(0, [0, 1, 2])
+            self.aborted: list[tuple[list[Any], str]] = []
+            self.done = threading.Event()
+
+        def _abort(self, held: list[Any], reason: str) -> None:
+            self.aborted.append((held, reason))
+            self.done.set()
+
+    group = object()
+    left = Gone(2, "left", "slow: left after step 39", time.time(), "rank 1")
+    m = Member()
+    m._held = [group]
+    m._on_gone(left)
+    assert m.aborted == [] and m._evidence == {2: left}, "heard, recorded, nothing aborted"
+    assert m.done.wait(5.0), "the guard fires for a member that never recovered"
+    assert m.aborted[0][0] == [group] and "left (slow: left after step 39" in m.aborted[0][1], m.aborted
+
+    recovered = Member()
+    recovered._held = [group]
+    recovered._on_gone(left)
+    recovered._forget([0, 1, 3])  # the recovery that took the leaver out (and new groups)
+    recovered._held = [object()]
+    for t in threading.enumerate():  # the guard ran, and found the member recovered
+        if isinstance(t, threading.Timer):
+            t.join(5.0)
+    assert recovered.aborted == []
+
+    died = Member()
+    died._held = [group]
+    died._on_gone(Gone(2, "exit", "killed by SIGKILL", time.time(), "launcher"))
+    assert len(died.aborted) == 1 and "is gone (exit: killed by SIGKILL" in died.aborted[0][1]

@@ -61,7 +61,33 @@ class Evidence:
             if self._detected_at is None:
                 self._detected_at = now()
             held = list(self._held)
+        if g.kind == "left":
+            # [Note: a planned departure aborts nothing] The members agreed that g.rank leaves
+            # at a pace window's end (`worker/pace_watch.py`), each by its own judgement of the
+            # same numbers, and the leaver takes part in that judgement's collectives to their
+            # end. The first member through reports it; the others may still be finishing
+            # theirs (an all-gather completes at each member when *it* has every row), and an
+            # abort now would fail their judgement and turn a planned handover into a failed
+            # op. Each member recovers on purpose after its own judgement; the abort is only a
+            # guard for one that has not within LEFT_GRACE_S.
+            guard = threading.Timer(self.LEFT_GRACE_S, self._left_guard, (g, held))
+            guard.daemon = True
+            guard.start()
+            return
         self._abort(held, f"rank {g.rank} is gone ({g.kind}: {g.detail}, reported by {g.by})")
+
+    LEFT_GRACE_S = 2.0
+
+    def _left_guard(self, g: Gone, held: list[Any]) -> None:
+        """A planned departure's guard: abort what this member held when it heard, if it has
+        neither recovered since (new groups, the leaver's evidence forgotten) nor finished."""
+        with self._lock:
+            same = len(held) == len(self._held) and all(a is b for a, b in zip(held, self._held, strict=True))
+            if self._finished or self._evidence.get(g.rank) is not g or not same:
+                return
+        self._abort(
+            held, f"rank {g.rank} left ({g.detail}, reported by {g.by}) and this member has not recovered"
+        )
 
     def _on_fenced(self, reason: str) -> None:
         with self._lock:
