@@ -25,8 +25,9 @@ import torch.distributed as dist
 
 _AS = os.environ.get("RC_SUITE_BACKEND", "")
 if _AS:
-    import resilient_comm  # noqa: F401  (registers the backends)
     from torch.distributed import distributed_c10d
+
+    import resilient_comm  # noqa: F401  (registers the backends)
 
     _init = distributed_c10d.init_process_group
 

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 import torch
 
-from resilient_comm.tools import chaos
 from resilient_comm.elastic import EXIT_EVICTED, Decision, Membership
 from resilient_comm.testing.harness import same_state
 from resilient_comm.testing.toy import ToyJob
+from resilient_comm.tools import chaos
 
 STEPS = 30
 WORLD = 4

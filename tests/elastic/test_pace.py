@@ -16,6 +16,7 @@ core: ~0.4 of its peers' speed, measured).
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import statistics
 from typing import Any
@@ -35,7 +36,7 @@ STEPS, WINDOW, SLOW_FROM, VICTIM = 160, 10, 20, 2
 
 def _rate(commits: list[float]) -> float:
     """Steps per second: the median gap between consecutive commits."""
-    return 1.0 / statistics.median(b - a for a, b in zip(commits, commits[1:], strict=False))
+    return 1.0 / statistics.median(b - a for a, b in itertools.pairwise(commits))
 
 
 def _run(tmp: str, spares: int) -> tuple[int, ToyJob]:

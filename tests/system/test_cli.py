@@ -14,7 +14,6 @@ from resilient_comm import _C
 from resilient_comm.config import knobs
 
 
-
 @pytest.mark.timeout(60)
 def test_doctor_reports_transports_and_nccl() -> None:
     secret = "do-not-print-this-token"

@@ -264,7 +264,7 @@ class Runner:
         finally:
             name, dt = fn.__name__, time.monotonic() - t0
             self.seconds[name] = self.seconds.get(name, 0.0) + dt
-            self.slowest = sorted(self.slowest + [(round(dt, 3), where)], reverse=True)[:8]
+            self.slowest = sorted([*self.slowest, (round(dt, 3), where)], reverse=True)[:8]
 
     # -- reducing collectives ------------------------------------------------------------------
 
@@ -468,7 +468,7 @@ class Runner:
             else:
                 dist.recv(back, left, group=group, tag=7)
                 dist.send(one, right, group=group, tag=7)
-            outs[name] = got + [back]
+            outs[name] = [*got, back]
         # what the left neighbour sent, computed here from its deterministic inputs
         sent = [self.make(dtype, s, "data", rank=left, salt=k) for k, s in enumerate(sizes)]
         sent.append(self.make(dtype, sizes[-1], "data", rank=left, salt=99))
@@ -480,7 +480,10 @@ class Runner:
     def barrier(self, where: str, rounds: int) -> None:
         """After barrier() returns, every rank must have reached it (keys set before it)."""
         store = dist.distributed_c10d._get_default_store()
-        keys = lambda i: [f"barrier-check/{self.case_no}/{i}/{r}" for r in range(self.ws)]
+
+        def keys(i: int) -> list[str]:
+            return [f"barrier-check/{self.case_no}/{i}/{r}" for r in range(self.ws)]
+
         for i in range(rounds):
             if self.rank == i % self.ws:
                 time.sleep(0.05)  # arrive last on purpose

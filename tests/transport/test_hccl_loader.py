@@ -81,7 +81,7 @@ def test_a_library_with_the_hccl_symbols_loads_and_its_features_follow_them(tmp_
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler to build a stand-in libhccl")
-    exported = REQUIRED + ["HcclCreateSubCommConfig", "HcclBatchSendRecv"]
+    exported = [*REQUIRED, "HcclCreateSubCommConfig", "HcclBatchSendRecv"]
     src = tmp_path / "stub.c"
     src.write_text("".join(f"int {name}(void) {{ return 0; }}\n" for name in exported))
     lib = tmp_path / "libhccl_stub.so"

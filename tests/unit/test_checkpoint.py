@@ -274,7 +274,7 @@ def test_background_failure_is_raised_by_wait_and_leaves_no_file(tmp_path: pathl
     ckpt._test_hook = disk_full
     assert ckpt.save(2, {"x": torch.zeros(3)})
     ckpt.wait_snapshot()  # the host copy succeeded; the write failed
-    with pytest.raises(CheckpointError, match="rank 0 step 2 failed: .*No space left") as e:
+    with pytest.raises(CheckpointError, match=r"rank 0 step 2 failed: .*No space left") as e:
         ckpt.wait()
     assert isinstance(e.value.__cause__, OSError)
     assert ckpt.stats.failed == 1 and ckpt.latest() == 1

@@ -180,7 +180,7 @@ def test_a_malformed_store_value_is_ignored_or_a_clear_error_never_a_crash(
         m.decision(2)
     store.set(m.key("e", 3, "decision"), json.dumps({"epoch": 3, "members": "0-1", "mesh": {"dp": "2"},
                                                      "mode": "init", "resume_step": 0}))
-    with pytest.raises(dist.DistStoreError, match="Decision.mesh"):
+    with pytest.raises(dist.DistStoreError, match=r"Decision\.mesh"):
         m.decision(3)
     store.set(m.key("epoch"), "two")
     with pytest.raises(dist.DistStoreError, match="the membership's epoch at 'rc/bad/epoch' is malformed"):

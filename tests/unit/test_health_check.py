@@ -93,7 +93,7 @@ def test_the_builtin_accelerator_check_is_a_noop_on_a_cpu_machine() -> None:
 def test_bad_checks_are_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="unknown health check 'builtin:gpu': the built-in one is 'builtin:accelerator'"):
         HealthCheck("builtin:gpu")
-    with pytest.raises(ValueError, match="period .0 s. and timeout .30 s. must be positive"):
+    with pytest.raises(ValueError, match=r"period .0 s. and timeout .30 s. must be positive"):
         HealthCheck("true", period_s=0)
     monkeypatch.delenv(ENV_HEALTH_CHECK, raising=False)
     assert from_flags(None, 60, 30) is None

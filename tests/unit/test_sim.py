@@ -194,7 +194,7 @@ def test_recovery_times_can_be_replaced_from_json(tmp_path: pathlib.Path) -> Non
     faster = simulate(LLAMA.with_(recovery=rec), Policy.HOT_SPARE, 0)
     assert faster.goodput > simulate(LLAMA, Policy.HOT_SPARE, 0).goodput
     path.write_text(json.dumps({"detect_ms": 400}))
-    with pytest.raises(ValueError, match="unknown recovery parameter.*detect_ms"):
+    with pytest.raises(ValueError, match=r"unknown recovery parameter.*detect_ms"):
         LLAMA.recovery.from_json(path)
     path.write_text(json.dumps({"detect_s": -1}))
     with pytest.raises(ValueError, match="detect_s must be a finite number >= 0"):
