@@ -366,7 +366,12 @@ def run_elastic(a: argparse.Namespace) -> int:
     except Evicted as e:
         events.write("evicted", why=str(e))
         print(f"rank {rank}: {e}", file=sys.stderr, flush=True)
-        return EXIT_EVICTED
+        # A worker that left the job (its replica evicted, or a slow rank handing its place to a
+        # spare) exits without the interpreter's teardown: with torch loaded that is ~1 s of CPU
+        # in the garbage collector (measured), taken from the members still training on a
+        # shared machine, and 10 s of it for a rank held at a tenth of a core.
+        sys.stdout.flush()
+        os._exit(EXIT_EVICTED)
     except RecoveryError as e:
         events.write("failed", why=str(e))
         print(f"rank {rank}: cannot recover: {e}", file=sys.stderr, flush=True)
@@ -601,18 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.getLogger("resilient_comm.elastic").setLevel(logging.INFO)
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's all_gather_into_tensor rename
-    code = run_baseline(a) if a.baseline else run_elastic(a)
-    from resilient_comm.elastic import EXIT_EVICTED
-
-    if code == EXIT_EVICTED:
-        # A worker that left the job (its replica evicted, or a slow rank handing its place to a
-        # spare) exits without the interpreter's teardown: with torch loaded that is ~1 s of CPU
-        # in the garbage collector (measured), taken from the members still training on a
-        # shared machine, and 10 s of it for a rank held at a tenth of a core.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
+    return run_baseline(a) if a.baseline else run_elastic(a)
 
 
 if __name__ == "__main__":

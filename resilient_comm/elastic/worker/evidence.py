@@ -79,11 +79,11 @@ class Evidence:
     LEFT_GRACE_S = 2.0
 
     def _left_guard(self, g: Gone, held: list[Any]) -> None:
-        """A planned departure's guard: abort what this member held when it heard, if it has
-        neither recovered since (new groups, the leaver's evidence forgotten) nor finished."""
+        """A planned departure's guard: abort what this member held when it heard, unless it
+        finished or recovered since (its new groups built, the leaver's evidence forgotten).
+        Mid-recovery, what it held is aborted already: aborting it again changes nothing."""
         with self._lock:
-            same = len(held) == len(self._held) and all(a is b for a, b in zip(held, self._held, strict=True))
-            if self._finished or self._evidence.get(g.rank) is not g or not same:
+            if self._finished or self._evidence.get(g.rank) is not g:
                 return
         self._abort(
             held, f"rank {g.rank} left ({g.detail}, reported by {g.by}) and this member has not recovered"
