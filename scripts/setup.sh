@@ -37,7 +37,20 @@ if ! "$VPY" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0]
   "${PIP[@]}" "torch==$TORCH_VERSION"
 fi
 # ruff and mypy pinned: CI fails on their findings, so a new release must not move the bar.
-"${PIP[@]}" "setuptools>=64" wheel cmake ninja "pytest>=7" "pytest-timeout>=2" expecttest numpy matplotlib nvidia-nccl-cu12 "etcd3gw>=2.4" "prometheus_client>=0.17" ruff==0.17.6 mypy==2.4.1
+"${PIP[@]}" "setuptools>=64" wheel cmake ninja "pytest>=7" "pytest-timeout>=2" expecttest numpy matplotlib "etcd3gw>=2.4" "prometheus_client>=0.17" ruff==0.17.6 mypy==2.4.1
+
+# NCCL for resilient_nccl (loaded at run time; its nccl.h for the ABI test): the nvidia-nccl wheel
+# that goes with this torch, never a second one over torch's own -- they all write the same
+# libnccl.so.2 (scripts/nccl_wheel.py says which, and why).
+{ read -r -a NCCL_REMOVE; read -r NCCL_INSTALL; } < <("$VPY" scripts/nccl_wheel.py)
+if [ ${#NCCL_REMOVE[@]} -gt 0 ]; then
+  echo "[setup] removing ${NCCL_REMOVE[*]}: it replaced torch's libnccl"
+  "$VPY" -m pip uninstall --quiet --yes "${NCCL_REMOVE[@]}"
+fi
+if [ -n "$NCCL_INSTALL" ]; then
+  echo "[setup] installing $NCCL_INSTALL (NCCL for resilient_nccl)"
+  "${PIP[@]}" --no-deps --force-reinstall "$NCCL_INSTALL"  # (a removed wheel took torch's file)
+fi
 
 # etcd (the multi-node membership) for the tests that run nodes in network namespaces; as
 # root on Debian/Ubuntu it comes from the etcd-server package. Without it those tests skip.

@@ -36,7 +36,7 @@ from resilient_comm.elastic.node.launcher import Launcher
 from resilient_comm.elastic.state.provider import Place, TrainState
 from resilient_comm.elastic.worker.controller import Controller, Step
 from resilient_comm.elastic.worker.detector import Detector
-from resilient_comm.elastic.worker.errors import Evicted, RecoveryError
+from resilient_comm.elastic.worker.errors import Evicted, RecoveryError, ReplicaMismatchError
 from resilient_comm.elastic.worker.groups import Groups
 from resilient_comm.elastic.worker.inprocess import restartable
 
@@ -57,6 +57,7 @@ __all__ = [
     "Place",
     "Plan",
     "RecoveryError",
+    "ReplicaMismatchError",
     "Step",
     "Timeline",
     "TrainState",

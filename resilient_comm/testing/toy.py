@@ -102,7 +102,8 @@ class TinyMLP(torch.nn.Module):
 
 
 class Trainer:
-    """Model, optimizer and data; `state_dict`/`load_state_dict` cover model and optimizer."""
+    """Model, optimizer and data; `state_dict`/`load_state_dict` cover model and optimizer,
+    both the same on every dp replica (`replicated_state_dict`: all of it)."""
 
     def __init__(
         self,
@@ -119,6 +120,7 @@ class Trainer:
         self.w_true = torch.randn(features, 4, generator=torch.Generator().manual_seed(seed + 1), dtype=dtype)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
         self.seed, self.features, self.batch = seed, features, batch
+        self.per_rank: torch.Tensor | None = None  # a value that differs per rank (``--per-rank-marked``)
 
     def params(self) -> list[torch.nn.Parameter]:
         return list(self.model.parameters())
@@ -135,11 +137,17 @@ class Trainer:
         return float(loss.detach())
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "opt": self.opt.state_dict()}
+        sd = {"model": self.model.state_dict(), "opt": self.opt.state_dict()}
+        return sd if self.per_rank is None else {**sd, "per_rank": self.per_rank.clone()}
+
+    def replicated_state_dict(self) -> dict[str, Any]:
+        return self.state_dict()
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.model.load_state_dict(sd["model"])
         self.opt.load_state_dict(sd["opt"])
+        if self.per_rank is not None:
+            self.per_rank = sd["per_rank"].clone()
 
 
 class Events:
@@ -241,6 +249,8 @@ def run_elastic(a: argparse.Namespace) -> int:
         a.batch,
         getattr(torch, a.dtype),
     )
+    if a.per_rank_marked:
+        trainer.per_rank = torch.tensor([rank])
     start = _load(a.resume_from, trainer) if a.resume_from else _load(a.ckpt, trainer)
     if start and not a.resume_from:
         events.write("resume", step=start)
@@ -295,7 +305,13 @@ def run_elastic(a: argparse.Namespace) -> int:
         if event == "integrity.agreed":
             events.write("agreed", step=info["step"], ms=info["ms"])
         if event == "integrity.mismatch":
-            events.write("mismatch", step=info["step"], back_to=info["back_to"], diverged=info["diverged"])
+            events.write(
+                "mismatch",
+                step=info["step"],
+                back_to=info["back_to"],
+                diverged=info["diverged"],
+                keys=info["keys"],
+            )
         if event == "recovery.restored":
             extra = {"digest": digest(trainer.state_dict())} if a.digest else {}
             events.write(
@@ -573,6 +589,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--flip-on-signal", action="store_true", help="elastic: flip a bit at the next step after SIGUSR1"
+    )
+    p.add_argument(
+        "--per-rank-marked",
+        action="store_true",
+        help="elastic: the state holds a value that differs per rank, marked replicated (a user's mistake)",
     )
     p.add_argument(
         "--fingerprint-every",

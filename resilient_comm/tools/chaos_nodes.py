@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from resilient_comm.tools.chaos import (
+from resilient_comm.tools.chaos_trial import (
     FINGERPRINT_EVERY,
     NODE_KINDS,
     SLOW_BELOW,

@@ -1,11 +1,15 @@
 """Silent data corruption end to end: a bit flipped in one replica's parameter memory (by the
-toy, in its own process) is found at the next comparison of the replicas' fingerprints, every
-member goes back to the last agreed state and redoes the steps since, and the final state is
-bit-identical to a fault-free run. A replica named twice leaves the job."""
+toy, in its own process) is found at the next comparison of the replicas' fingerprints (the
+periodic one, or the run's last at the default interval), every member goes back to the last
+agreed state and redoes the steps since, and the final state is bit-identical to a fault-free
+run. A replica named twice leaves the job; a per-rank value compared as replicated stops the
+job with its key named instead of going back forever."""
 
 from __future__ import annotations
 
 import os
+import random
+import time
 from typing import Any
 
 import pytest
@@ -15,7 +19,7 @@ from resilient_comm.elastic import EXIT_EVICTED
 from resilient_comm.testing.harness import same_state
 from resilient_comm.testing.toy import ToyJob
 
-STEPS = 50
+STEPS = 60
 EVERY = 10
 
 
@@ -35,9 +39,9 @@ def _commits(job: ToyJob, rank: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
-    """Final states of fault-free runs of 2 and 3 replicas (no comparison at all)."""
+    """Final states of fault-free runs of 2, 3 and 4 replicas (no comparison at all)."""
     out = {}
-    for n in (2, 3):
+    for n in (2, 3, 4):
         tmp = str(tmp_path_factory.mktemp(f"fault_free{n}"))
         job = ToyJob(n, ["--steps", str(STEPS), "--fingerprint-every", "0", "--dump", os.path.join(tmp, "dump")],
                      tmp).start()
@@ -47,9 +51,9 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("replicas", [3, 2])
 def test_a_flipped_bit_is_found_every_member_goes_back_and_the_result_is_bit_identical(
-        tmp_path: Any, fault_free: dict[int, Any], replicas: int) -> None:
+        tmp_path: Any, fault_free: dict[int, Any]) -> None:
+    replicas = 3
     status, job = _run(str(tmp_path), replicas, "--flip", "1:30")
     assert status == 0, job.events()
     flips = [e for e in job.events() if e["event"] == "flip"]
@@ -59,13 +63,50 @@ def test_a_flipped_bit_is_found_every_member_goes_back_and_the_result_is_bit_ide
     for e in mismatches:
         # Found at the next comparison (after step 39), back to the last agreed state (step 29).
         assert (e["step"], e["back_to"]) == (39, 29), e
-        assert e["diverged"] == ([1] if replicas == 3 else []), "a majority names it; two replicas cannot"
+        assert e["diverged"] == [1], "a majority names it"
+        assert e["keys"] == ["/'model'/'w1'"], "the key that differs is named"
     final = _final(job, list(range(replicas)))
     for r in range(replicas):
         assert final[r]["recoveries"] == [], "no process failed: nothing to recover"
         assert final[r]["committed"] == STEPS - 1
         assert _commits(job, r) == list(range(40)) + list(range(30, STEPS)), "steps 30-39 redone once"
         assert same_state(final[r]["state"], fault_free[replicas]), f"rank {r} differs from the fault-free run"
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("replicas", [2, 3, 4])
+def test_at_the_default_interval_a_bit_flipped_in_a_short_job_is_caught_by_the_last_comparison(
+        tmp_path: Any, fault_free: dict[int, Any], replicas: int) -> None:
+    """60 steps, the default interval (100): only the run's last comparison sees the flip; every
+    member goes back to the start and the job still ends bit-identical to the fault-free run."""
+    at = random.randrange(STEPS)
+    job = ToyJob(replicas, ["--steps", str(STEPS), "--flip", f"1:{at}", "--dump", os.path.join(str(tmp_path), "dump")],
+                 str(tmp_path), env={"RESILIENT_COMM_FINGERPRINT_EVERY": ""}).start()
+    assert job.wait(120.0) == 0, (at, job.events())
+    mismatches = [e for e in job.events() if e["event"] == "mismatch"]
+    assert [(e["step"], e["back_to"]) for e in mismatches] == [(STEPS - 1, -1)] * replicas, (at, mismatches)
+    assert mismatches[0]["diverged"] == ([] if replicas == 2 else [1]), (at, mismatches)
+    final = _final(job, list(range(replicas)))
+    for r in range(replicas):
+        assert _commits(job, r) == list(range(STEPS)) * 2, f"flip after step {at}: the whole run redone once"
+        assert same_state(final[r]["state"], fault_free[replicas]), f"flip after step {at}: rank {r} differs"
+
+
+@pytest.mark.timeout(120)
+def test_a_per_rank_value_compared_as_replicated_stops_the_job_naming_its_key_within_two_comparisons(
+        tmp_path: Any) -> None:
+    t0 = time.monotonic()
+    status, job = _run(str(tmp_path), 3, "--per-rank-marked")
+    assert status != 0 and time.monotonic() - t0 < 60, "stopped, never looping"
+    events = job.events()
+    assert {(e["back_to"], tuple(e["keys"])) for e in events if e["event"] == "mismatch"} == {(-1, ("/'per_rank'",))}
+    mismatches = sorted((e["rank"], e["step"]) for e in events if e["event"] == "mismatch")
+    assert mismatches == sorted([(r, EVERY - 1) for r in range(3)] * 2), "two comparisons, then the stop"
+    failed = [e for e in events if e["event"] == "failed"]
+    assert sorted(e["rank"] for e in failed) == [0, 1, 2], events
+    for e in failed:
+        assert "differs again after going back to step -1" in e["why"] and "/'per_rank'" in e["why"], e["why"]
+    assert max(e["step"] for e in events if e["event"] == "commit") == EVERY - 1
 
 
 @pytest.mark.timeout(200)

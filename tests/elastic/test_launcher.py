@@ -1,4 +1,5 @@
-"""resilient-run: environment, exit status, exit reports, signal forwarding, restarts.
+"""resilient-run: environment, exit status, exit reports, signal forwarding, signals before the
+workers start, store failures, restarts.
 
 The workers here are tiny Python scripts (no torch), synchronised with the test through
 named pipes: a worker blocks reading its FIFO until the test writes to it.
@@ -10,6 +11,7 @@ import datetime
 import json
 import os
 import pathlib
+import shlex
 import signal
 import socket
 import subprocess
@@ -22,6 +24,7 @@ import pytest
 import torch.distributed as dist
 
 from resilient_comm.elastic import Launcher, Membership
+from resilient_comm.elastic.node.launcher import SHUTDOWN_BOUND_S
 
 LAUNCHER = [sys.executable, "-m", "resilient_comm.elastic"]
 
@@ -146,6 +149,99 @@ while True:
     assert took < 5.0, f"{took:.1f} s after SIGTERM (the bound: SHUTDOWN_BOUND_S)"
     assert "ended during shutdown: killed by SIGTERM" in err, err
     assert "leaving without node(s) 1" in err, err
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_during_the_first_health_check_kills_the_check_and_exits_143(tmp_path: pathlib.Path) -> None:
+    """SIGTERM (scancel, a pod's deletion) while the health check before joining runs: the
+    launcher kills the check's process group (no orphan) and exits 128+15 at once, saying why."""
+    for fifo in ("checking", "never"):
+        os.mkfifo(tmp_path / fifo)
+    check = script(tmp_path, "check.py", f"""
+with open(os.path.join({str(tmp_path)!r}, "checking"), "w") as f:
+    f.write(str(os.getpid()) + "\\n")
+open(os.path.join({str(tmp_path)!r}, "never")).read()  # blocks: nobody writes to it
+""")
+    w = script(tmp_path, "w.py", "")
+    proc = subprocess.Popen([*LAUNCHER, "--health-check", f"exec {shlex.quote(sys.executable)} {shlex.quote(check)}", w],
+                            stderr=subprocess.PIPE, text=True)
+    pid = 0
+    try:
+        pid = int((tmp_path / "checking").read_text())  # the check runs (exec: the launcher's child)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - signalled
+        orphan = _alive(pid)
+    finally:
+        proc.kill()
+        if pid and _alive(pid):  # an orphaned check (the bug) must not outlive the test
+            os.killpg(pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert not orphan, f"the health check (pid {pid}) outlived its launcher"
+    assert took < SHUTDOWN_BOUND_S, f"{took:.1f} s after SIGTERM"
+    last = err.strip().splitlines()[-1]
+    assert "shut down by SIGTERM during the health check" in last and "its process group was killed" in last, err
+    assert "started nothing (exit status 143)" in last, err
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_while_waiting_for_the_store_exits_143_at_once(tmp_path: pathlib.Path) -> None:
+    """A node whose store accepts its connection and never answers (the launcher waits in
+    TCPStore's C++ connect, where no Python signal handler runs): SIGTERM still ends it at once
+    with 128+15, naming the store it was joining."""
+    w = script(tmp_path, "w.py", "")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
+        proc = subprocess.Popen([*LAUNCHER, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", endpoint, w],
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            listener.settimeout(30)
+            conn, _ = listener.accept()  # the launcher is connecting to its store
+            with conn:
+                signalled = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+                _, err = proc.communicate(timeout=30)
+                took = time.monotonic() - signalled
+        finally:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert took < SHUTDOWN_BOUND_S, f"{took:.1f} s after SIGTERM"
+    last = err.strip().splitlines()[-1]
+    assert f"shut down by SIGTERM while joining the job (its store: {endpoint}, c10d)" in last, err
+
+
+@pytest.mark.timeout(60)
+def test_a_store_that_cannot_be_hosted_or_reached_is_named_in_the_error(tmp_path: pathlib.Path) -> None:
+    """Node 0 whose store's port is taken, and a node whose etcd cluster does not answer: exit
+    status 1 and a message naming the store (not one about --metrics-port)."""
+    w = script(tmp_path, "w.py", "")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = f"127.0.0.1:{taken.getsockname()[1]}"
+        nobody = _free_endpoint()
+        runs = {
+            "host": subprocess.Popen([*LAUNCHER, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", busy, w],
+                                     stderr=subprocess.PIPE, text=True),
+            "reach": subprocess.Popen([*LAUNCHER, "--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", nobody,
+                                       w], stderr=subprocess.PIPE, text=True),
+        }
+        errs = {k: p.communicate(timeout=50)[1] for k, p in runs.items()}
+    assert {k: p.returncode for k, p in runs.items()} == {"host": 1, "reach": 1}, errs
+    assert f"resilient-run: could not host the job's store at {busy} (c10d): " in errs["host"], errs["host"]
+    assert "EADDRINUSE" in errs["host"], errs["host"]
+    assert f"resilient-run: could not reach the job's store at etcd://{nobody} to take a place: " in errs["reach"], errs
 
 
 @pytest.mark.timeout(60)

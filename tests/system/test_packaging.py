@@ -1,5 +1,6 @@
 """The built wheel says which torch it needs and offers the NCCL extras; installed into a fresh
-venv, pip check is clean and the [cu12] extra brings an NCCL that `resilient-comm doctor` finds."""
+venv, pip check is clean and the NCCL extra of torch's CUDA major brings an NCCL that
+`resilient-comm doctor` finds."""
 
 from __future__ import annotations
 
@@ -32,13 +33,15 @@ def test_the_wheel_requires_the_torch_it_was_built_against_and_has_the_nccl_extr
     assert 'prometheus_client>=0.17; extra == "metrics"' in requires, requires
 
     # Installed into a fresh venv with the torch it names (torch==2.13.0 is on this machine's
-    # disk; setup.sh already fetched nvidia-nccl-cu12): pip check clean, the [cu12] extra
-    # brings NCCL and `resilient-comm doctor` finds it.
+    # disk; setup.sh already fetched nvidia-nccl-cu12): pip check clean, the extra of torch's
+    # CUDA major ([cu12] with the CPU torch; with a CUDA torch it is torch's own NCCL wheel, which
+    # no other may replace) brings NCCL and `resilient-comm doctor` finds it.
     venv = tmp_path / "venv"
     subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", str(venv)], check=True, timeout=120)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     torch_version = torch.__version__.split("+")[0]
-    for args in ([f"torch=={torch_version}"], [f"{wheel}[cu12]"]):
+    extra = f"cu{torch.version.cuda.split('.')[0]}" if torch.version.cuda else "cu12"
+    for args in ([f"torch=={torch_version}"], [f"{wheel}[{extra}]"]):
         out = subprocess.run([*pip, *args], capture_output=True, text=True, timeout=580, check=False)
         assert out.returncode == 0, out.stderr[-3000:]
     check = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "check"], capture_output=True, text=True,

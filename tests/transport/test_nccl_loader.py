@@ -13,7 +13,7 @@ from resilient_comm import _C
 from resilient_comm.tools.doctor import nccl_wheel_candidates
 
 pytestmark = pytest.mark.skipif(
-    not nccl_wheel_candidates(), reason="the nvidia-nccl-cu12 wheel is not installed (scripts/setup.sh installs it)"
+    not nccl_wheel_candidates(), reason="no nvidia-nccl wheel is installed (scripts/setup.sh installs one)"
 )
 
 

@@ -3,14 +3,17 @@ stack's loop reads, and one tiny run of the stacks that need nothing beyond this
 
 from __future__ import annotations
 
+import datetime
 import json
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch.distributed as dist
 
 from resilient_comm.tools.bench import compare
-from resilient_comm.tools.bench.compare_job import Stop
+from resilient_comm.tools.bench.compare_job import Stop, dead_ranks
 
 
 def _commit(rank: int, pid: int, step: int, t: float, world: int) -> dict:
@@ -71,6 +74,69 @@ def test_the_stop_file_is_read_once_written(tmp_path: pathlib.Path) -> None:
     (tmp_path / "stop").write_text("7")
     assert not stop.reached(7) and stop.reached(8)
     assert Stop("", cap=3).reached(3)
+
+
+def test_the_event_log_reads_only_what_was_appended_and_waits_for_a_line_to_end(tmp_path: pathlib.Path) -> None:
+    log = compare.EventLog(str(tmp_path / "events"))
+    assert log.read() == []  # no rank has started
+    (tmp_path / "events").mkdir()
+    victim, other = tmp_path / "events" / "2-202.jsonl", tmp_path / "events" / "1-201.jsonl"
+    victim.write_text('{"event": "start", "rank": 2}\n{"event": "commit", "ra')
+    other.write_text('{"event": "start", "rank": 1}\n')
+    assert log.read("2-") == [{"event": "start", "rank": 2, "pid": 202}]  # the victim's alone
+    with victim.open("a") as f:
+        f.write('nk": 2, "step": 7}\n')
+    assert sorted(log.read(), key=lambda e: e["pid"]) == [
+        {"event": "start", "rank": 1, "pid": 201},
+        {"event": "commit", "rank": 2, "step": 7, "pid": 202},
+    ]
+    assert log.read() == [] and len(log.events) == 3
+    log.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_second_death_is_noticed_by_a_survivor_that_handled_the_first() -> None:
+    """The launcher's k-th death notice is the key a reconfigure survivor that knew of k - 1 dead
+    ranks waits on: a second failure is noticed, not waited out for 600 s."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    # Ranks that exit when their stdin closes: 0 with status 0 (finished), 1 and 2 with 3.
+    code = "import sys; sys.stdin.read(); sys.exit({})"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code.format(0 if r == 0 else 3)], stdin=subprocess.PIPE)
+        for r in range(3)
+    ]
+    exits = compare._ExitReporter(store, procs)
+    survivor = dist.TCPStore("127.0.0.1", store.port, is_master=False)  # the job's own client
+    wait = datetime.timedelta(seconds=20)
+    try:
+        procs[0].stdin.close()
+        procs[2].stdin.close()
+        assert dead_ranks(survivor, 1, wait) == {2}  # a clean exit is no death
+        procs[1].stdin.close()
+        assert dead_ranks(survivor, 2, wait) == {1, 2}
+    finally:
+        exits.closing.set()
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def _run(stack: str, world: int, rep: int, recovery_s: float | None) -> compare.Run:
+    ok = recovery_s is not None
+    return compare.Run(stack, world, rep, ok=ok, recovery_s=recovery_s, equal=True if ok else None)
+
+
+def test_a_stack_that_never_recovered_meets_no_target() -> None:
+    chosen = [s for s in compare.stacks(10.0, compare.TORCHFT_FAST) if s.name in ("torchft", "torchrun", "ours")]
+    runs = [_run("ours", 8, i, 0.1) for i in range(3)]
+    runs += [_run("torchft", 8, i, None) for i in range(3)]
+    runs += [_run("torchrun", 8, i, t) for i, t in enumerate((12.0, None, 14.0))]
+    rows, verdicts = compare.summarize(runs, chosen, {}, bound_s=150.0)
+    assert [r["recovered"] for r in rows] == [2, 0, 3]  # chosen's order: torchrun, torchft, ours
+    torchft = next(v for v in verdicts if "than torchft " in v)
+    assert "MET" not in torchft and "NO FIGURE (torchft recovered in none of 3 runs" in torchft
+    torchrun = next(v for v in verdicts if "than torchrun " in v)
+    assert torchrun.endswith(": MET (130x; torchrun recovered in 2 of 3 runs)"), torchrun
 
 
 def test_unknown_stacks_are_refused_with_the_list(capsys: pytest.CaptureFixture[str]) -> None:

@@ -77,3 +77,57 @@ def test_tensor_parallel_shards_are_compared_only_with_their_own_place() -> None
     assert judge(9, [shard0, shard1] * 3, list(range(6)), mesh).agreed, "shards differ by design"
     v = judge(9, [shard0, shard1, shard0, b"x" * 16, shard0, shard1], [10, 11, 12, 13, 14, 15], mesh)
     assert v.named == [13]
+
+
+def test_a_flipped_bit_changes_only_its_leafs_fingerprint() -> None:
+    from resilient_comm.elastic.state.fingerprint import leaf_fingerprints
+
+    a = _state()
+    b = copy.deepcopy(a)
+    b["model"]["weight"].view(-1).view(torch.uint8)[3] ^= 0x04
+    pa, pb = leaf_fingerprints(a), leaf_fingerprints(b)
+    assert set(pa) == set(pb) and "/'model'/'weight'" in pa and "/'count'" in pa
+    assert [k for k in pa if pa[k] != pb[k]] == ["/'model'/'weight'"]
+
+
+def test_the_keys_that_differ_are_found_per_place_and_a_missing_key_differs() -> None:
+    from resilient_comm.elastic.worker.integrity import differing_keys
+
+    same = {"/'w'": "aa", "/'b'": "bb"}
+    # tp=2, dp=2: world ranks 0 and 2 are one place's replicas, 1 and 3 the other's.
+    other = {"/'w'": "xx"}  # the other tp shard: never compared with the first
+    assert differing_keys([same, other, same, other], Mesh(tp=2, dp=2)) == []
+    leaves = [same, same, {**same, "/'b'": "cc"}, {"/'w'": "aa"}]
+    assert differing_keys(leaves, Mesh(tp=2, dp=2)) == ["/'b'"]
+    assert differing_keys([same, {"/'w'": "aa"}], Mesh(dp=2)) == ["/'b'"], "a key one replica lacks"
+
+
+def test_what_the_replicas_compare_leaves_out_per_rank_state() -> None:
+    from resilient_comm.elastic.state.provider import TrainState, replicated_view
+
+    class Position:
+        def __init__(self) -> None:
+            self.index = 0
+
+        def state_dict(self) -> dict:
+            return {"index": self.index}
+
+        def load_state_dict(self, sd: dict) -> None:
+            self.index = sd["index"]
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    st = TrainState(model, opt, extra=Position())
+    view = replicated_view(st)
+    assert view is not None and set(view) == {"model", "optimizer"}, "never RNG or a data position by default"
+    assert set(view["model"]) == {"0.weight", "0.bias", "1.weight", "1.bias"}, "parameters: no batch-norm statistics"
+    assert set(replicated_view(TrainState(model, opt, Position(), replicated=("model", "extra", "rng")))) == {
+        "model", "extra", "rng"}
+    assert set(replicated_view(model)) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    assert replicated_view(Position()) is None, "a provider that says nothing: nothing is compared"
+    with pytest.raises(ValueError, match="replicated names parts of"):
+        TrainState(model, replicated=("model", "sampler"))
+    with pytest.raises(ValueError, match="replicated names parts of"):
+        TrainState(model, replicated="model")

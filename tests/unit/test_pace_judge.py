@@ -4,7 +4,10 @@ hysteresis, what the cost model does with a slow rank, and a slow link told by i
 
 from __future__ import annotations
 
-from resilient_comm.elastic.model.pace import Pace, PaceConfig, PaceVerdict, link_speeds
+import pytest
+
+from resilient_comm.config import knobs
+from resilient_comm.elastic.model.pace import WINDOW_KNOB, Pace, PaceConfig, PaceVerdict, link_speeds
 
 CFG = PaceConfig(window=20, slow_below=0.9, clear_above=0.95, patience=2, evict_margin=0.05, sure_below=0.6, horizon=12)
 DP4 = {r: r for r in range(4)}
@@ -24,6 +27,14 @@ def _judge(p: Pace, times: dict[int, float], windows: int, first: int = 19) -> P
 # 5 ms of CPU per step; measured: docs/elastic.md): the noise the rules must ride out.
 NOISY = [0.87, 0.95, 1.07, 1.03, 0.93, 1.10, 1.00, 0.76, 1.05, 1.07, 0.98, 1.02, 1.03, 1.00, 1.09, 1.02,
          1.01, 1.06, 0.89, 0.88, 1.17, 1.04, 1.23, 0.99, 1.04, 0.96, 0.79, 1.00, 0.91, 0.94, 1.16, 0.88]
+
+
+def test_the_window_has_one_default_the_knobs_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    (knob,) = [k for k in knobs() if k.name == WINDOW_KNOB]
+    assert knob.default == "0" and PaceConfig().window == 0
+    monkeypatch.setenv(WINDOW_KNOB, "20")
+    assert PaceConfig().window == 0, "the default is the declared one, not the environment's"
+    assert PaceConfig.from_env().window == 20
 
 
 def test_a_big_slowdown_counts_after_patience_windows_and_one_window_is_not_enough() -> None:

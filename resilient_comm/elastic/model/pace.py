@@ -3,7 +3,8 @@
 A rank that turns slow (a throttled clock, a noisy neighbour, a CPU quota) kills nothing: the
 others wait for it at every synchronisation, and the whole job runs at its pace. Each rank
 measures its own *compute* per step, the time from the step's start to its first wait on the
-others (`Controller._commit`): a rank's compute is its own work, while the time in the
+others (`Controller._commit`; on an accelerator the device's time, not the host's:
+`worker/step_timer.py`): a rank's compute is its own work, while the time in the
 collectives is set by the slowest member. Every `window` steps the members gather the median
 compute of each over the window (`worker/pace_watch.py`), and every member judges the same
 numbers alike, here:
@@ -47,19 +48,27 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from resilient_comm.config import knob_int
+from resilient_comm.config import knob_int, knobs
+
+WINDOW_KNOB = "RESILIENT_COMM_PACE_WINDOW"
+
+
+def _default_window() -> int:
+    """The knob's declared default (csrc/common/env.h), whatever the environment says."""
+    return int(next(k.default for k in knobs() if k.name == WINDOW_KNOB))
 
 
 @dataclass(frozen=True)
 class PaceConfig:
-    """`window`: steps per comparison (0: fail-slow detection off); `sure_below`: a window
+    """`window`: steps per comparison (0: fail-slow detection off, the default of
+    ``RESILIENT_COMM_PACE_WINDOW`` too; 20 is a window to try); `sure_below`: a window
     this slow, `patience` windows in a row, is a slow rank; `slow_below`: the median of the
     last `horizon` windows this slow is one too; `clear_above`: `patience` windows this fast
     clear it; `evict_margin`: how far
     under (dp - 1) / dp the slow replica's speed must be before its replica is dropped;
     `link_slow_below`, `link_clear_above`: a node's link rate relative to the others'."""
 
-    window: int = 20
+    window: int = field(default_factory=_default_window)
     slow_below: float = 0.9
     clear_above: float = 0.95
     patience: int = 2
@@ -71,7 +80,7 @@ class PaceConfig:
 
     @staticmethod
     def from_env() -> PaceConfig:
-        return PaceConfig(window=knob_int("RESILIENT_COMM_PACE_WINDOW", 0))
+        return PaceConfig(window=knob_int(WINDOW_KNOB, 0))
 
 
 @dataclass

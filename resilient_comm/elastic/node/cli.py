@@ -9,8 +9,12 @@ import logging
 import os
 import signal
 import sys
+import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 from resilient_comm.elastic.node import rendezvous, slurm
+from resilient_comm.elastic.node.connection import StoreError
 from resilient_comm.elastic.node.health import (
     DEFAULT_PERIOD_S,
     DEFAULT_TIMEOUT_S,
@@ -20,9 +24,11 @@ from resilient_comm.elastic.node.health import (
     from_flags,
 )
 from resilient_comm.elastic.node.launcher import Launcher
+from resilient_comm.elastic.node.metrics import MetricsError
 from resilient_comm.elastic.node.rendezvous import JOIN_TIMEOUT_S
 
 log = logging.getLogger("resilient_comm.launcher")
+T = TypeVar("T")
 
 
 def _rdzv_conf(text: str) -> dict[str, float]:
@@ -205,79 +211,154 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = parser()
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[resilient-run] %(message)s", stream=sys.stderr)
-    try:  # a task of an srun step: the flags not given come from Slurm's environment
-        slurm.apply_defaults(a, os.environ)
-    except slurm.SlurmError as e:
-        print(f"resilient-run: {e}", file=sys.stderr)
-        return 2
-    a.nproc_per_node = 1 if a.nproc_per_node is None else a.nproc_per_node
-    least, most = a.nnodes or (1, 1)
+class _Signalled(BaseException):
+    """SIGINT or SIGTERM before the launcher took them over, raised in the main thread by
+    `_interrupt` (a BaseException: no ``except Exception`` on the way swallows it)."""
+
+    def __init__(self, sig: int) -> None:
+        super().__init__(sig)
+        self.sig = sig
+
+
+def _interrupt(sig: int, _frame: object) -> None:
+    raise _Signalled(sig)
+
+
+def _off_main_thread(fn: Callable[[], T]) -> T:
+    """fn() on a thread of its own, the main thread waiting for it: Python runs a signal's
+    handler only in the main thread, between bytecodes, and fn may block in C++ for long (a
+    TCPStore client retries its connect for the whole store timeout). fn's exception is raised
+    here; a `_Signalled` leaves fn's thread behind (the caller then leaves with os._exit)."""
+    out: list[T] = []
+    err: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            out.append(fn())
+        except BaseException as e:  # raised again in the main thread
+            err.append(e)
+
+    t = threading.Thread(target=call, name="rc-launcher-setup", daemon=True)
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
+    return out[0]
+
+
+def _endpoint(a: argparse.Namespace) -> str:
     if a.rdzv_endpoint:
-        endpoint = a.rdzv_endpoint
-    elif a.master_addr or a.master_port:
-        endpoint = f"{a.master_addr or '127.0.0.1'}:{a.master_port or 0}"
-    else:
-        endpoint = "127.0.0.1:0"
-    if most > 1 and endpoint.endswith(":0"):
-        print(
-            "resilient-run: more than one node (--nnodes N or MIN:MAX) needs --rdzv-endpoint host:port",
-            file=sys.stderr,
-        )
-        return 2
-    if a.rdzv_backend == "etcd" and not a.rdzv_endpoint:
-        print(
-            "resilient-run: --rdzv-backend etcd needs --rdzv-endpoint host:port[,host:port...]",
-            file=sys.stderr,
-        )
-        return 2
-    if a.in_process and a.no_python:
-        print("resilient-run: --in-process runs a Python script or module, not --no-python", file=sys.stderr)
-        return 2
+        return str(a.rdzv_endpoint)
+    if a.master_addr or a.master_port:
+        return f"{a.master_addr or '127.0.0.1'}:{a.master_port or 0}"
+    return "127.0.0.1:0"
+
+
+def _worker_command(a: argparse.Namespace) -> list[str]:
     inproc = ["-m", "resilient_comm.elastic.worker.inprocess_main"] if a.in_process else []
     if a.no_python:
-        cmd = [a.script, *a.script_args]
-    elif a.module:
-        cmd = [sys.executable, "-u", *inproc, "-m", a.script, *a.script_args]
-    else:
-        cmd = [sys.executable, "-u", *inproc, a.script, *a.script_args]
+        return [a.script, *a.script_args]
+    if a.module:
+        return [sys.executable, "-u", *inproc, "-m", a.script, *a.script_args]
+    return [sys.executable, "-u", *inproc, a.script, *a.script_args]
+
+
+def main(argv: list[str] | None = None) -> int:
+    # First thing: until the launcher takes them over, SIGINT and SIGTERM raise `_Signalled`, so
+    # that this process ends with 128+N and says what it was doing, and a health check it runs
+    # ends with it (the default action would leave the check running, orphaned).
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    doing, joining = "before it started", False
+    launcher: Launcher | None = None
     try:
-        health = from_flags(a.health_check, a.health_check_period, a.health_check_timeout)
-    except ValueError as e:
-        p.error(str(e))
-    if health is not None and not _healthy_to_join(health):
-        return EXIT_UNHEALTHY  # before the launcher: the node takes no place, starts nothing
-    try:
-        launcher = Launcher(
-            cmd,
-            a.nproc_per_node,
-            nnodes=least,
-            max_nodes=most,
-            node_rank=a.node_rank,
-            endpoint=endpoint,
-            max_restarts=a.max_restarts,
-            run_id=a.rdzv_id,
-            log_dir=a.log_dir,
-            spares=a.spares,
-            max_spare_starts=a.max_spare_starts,
-            rdzv_backend="etcd" if a.rdzv_backend == "etcd" else "c10d",
-            metrics_port=a.metrics_port,
-            join_timeout_s=_rdzv_conf(a.rdzv_conf).get("join_timeout", JOIN_TIMEOUT_S),
-            health_check=health,
+        p = parser()
+        a = p.parse_args(argv)
+        logging.basicConfig(level=logging.INFO, format="[resilient-run] %(message)s", stream=sys.stderr)
+        try:  # a task of an srun step: the flags not given come from Slurm's environment
+            slurm.apply_defaults(a, os.environ)
+        except slurm.SlurmError as e:
+            print(f"resilient-run: {e}", file=sys.stderr)
+            return 2
+        a.nproc_per_node = 1 if a.nproc_per_node is None else a.nproc_per_node
+        least, most = a.nnodes or (1, 1)
+        endpoint = _endpoint(a)
+        if most > 1 and endpoint.endswith(":0"):
+            print(
+                "resilient-run: more than one node (--nnodes N or MIN:MAX) needs --rdzv-endpoint host:port",
+                file=sys.stderr,
+            )
+            return 2
+        if a.rdzv_backend == "etcd" and not a.rdzv_endpoint:
+            print(
+                "resilient-run: --rdzv-backend etcd needs --rdzv-endpoint host:port[,host:port...]",
+                file=sys.stderr,
+            )
+            return 2
+        if a.in_process and a.no_python:
+            print(
+                "resilient-run: --in-process runs a Python script or module, not --no-python", file=sys.stderr
+            )
+            return 2
+        try:
+            health = from_flags(a.health_check, a.health_check_period, a.health_check_timeout)
+            join_timeout_s = _rdzv_conf(a.rdzv_conf).get("join_timeout", JOIN_TIMEOUT_S)
+        except ValueError as e:
+            p.error(str(e))
+        if health is not None:
+            doing = f"during the health check `{health.name}` (its process group was killed)"
+            if not _healthy_to_join(health):
+                return EXIT_UNHEALTHY  # before the launcher: the node takes no place, starts nothing
+        backend = "etcd" if a.rdzv_backend == "etcd" else "c10d"
+        doing, joining = f"while joining the job (its store: {endpoint}, {backend})", True
+        try:
+            launcher = _off_main_thread(
+                lambda: Launcher(
+                    _worker_command(a),
+                    a.nproc_per_node,
+                    nnodes=least,
+                    max_nodes=most,
+                    node_rank=a.node_rank,
+                    endpoint=endpoint,
+                    max_restarts=a.max_restarts,
+                    run_id=a.rdzv_id,
+                    log_dir=a.log_dir,
+                    spares=a.spares,
+                    max_spare_starts=a.max_spare_starts,
+                    rdzv_backend=backend,
+                    metrics_port=a.metrics_port,
+                    join_timeout_s=join_timeout_s,
+                    health_check=health,
+                )
+            )
+        except ValueError as e:  # a bad layout (nodes, ranks, spares) or endpoint: a usage error
+            p.error(str(e))
+        except (rendezvous.RendezvousError, StoreError) as e:  # no place, or no store, for this node
+            print(f"resilient-run: {e}", file=sys.stderr)
+            return 1
+        except MetricsError as e:  # --metrics-port: no prometheus_client, or the port is taken
+            print(f"resilient-run: {e}", file=sys.stderr)
+            return 2
+        except (RuntimeError, OSError) as e:
+            print(f"resilient-run: could not start this node's launcher: {e}", file=sys.stderr)
+            return 1
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda s, _f: launcher.forward(s))
+    except _Signalled as s:
+        status = 128 + s.sig
+        log.warning(
+            "shut down by %s %s: this node started nothing (exit status %d)",
+            signal.Signals(s.sig).name,
+            doing,
+            status,
         )
-    except ValueError as e:  # a bad layout (nodes, ranks, spares) or endpoint: a usage error
-        p.error(str(e))
-    except rendezvous.RendezvousError as e:  # no place for this node
-        print(f"resilient-run: {e}", file=sys.stderr)
-        return 1
-    except (RuntimeError, OSError) as e:  # --metrics-port: no prometheus_client, or the port is taken
-        print(f"resilient-run: {e}", file=sys.stderr)
-        return 2
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda s, _f: launcher.forward(s))
+        if joining:  # the launcher's thread may be in a C++ call that nothing interrupts
+            sys.stderr.flush()
+            os._exit(status)
+        return status
+    finally:
+        if launcher is None:  # ends before running anything: a caller in-process gets its handlers back
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     try:
         status = launcher.run()
     except rendezvous.RendezvousError as e:  # too few nodes arrived in time

@@ -104,20 +104,24 @@ class HealthCheck:
             except OSError as e:
                 return Verdict(False, f"health check `{self.name}` could not start: {e}")
             deadline = time.monotonic() + self.timeout_s
-            while proc.poll() is None:
-                left = deadline - time.monotonic()
-                if left <= 0 or (stop is not None and stop.is_set()):
-                    _kill_group(proc)
-                    what = "did not answer" if left <= 0 else "was stopped"
-                    return Verdict(
-                        False,
-                        f"health check `{self.name}` {what} in {self.timeout_s:g} s (its process group was "
-                        f"killed){_quote(_tail(out))}",
-                    )
-                try:  # (stop is polled at 0.1 s: a monitor's stop ends a running check at once)
-                    proc.wait(timeout=min(left, 0.1) if stop is not None else left)
-                except subprocess.TimeoutExpired:
-                    pass
+            try:
+                while proc.poll() is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or (stop is not None and stop.is_set()):
+                        _kill_group(proc)
+                        what = "did not answer" if left <= 0 else "was stopped"
+                        return Verdict(
+                            False,
+                            f"health check `{self.name}` {what} in {self.timeout_s:g} s (its process group "
+                            f"was killed){_quote(_tail(out))}",
+                        )
+                    try:  # (stop is polled at 0.1 s: a monitor's stop ends a running check at once)
+                        proc.wait(timeout=min(left, 0.1) if stop is not None else left)
+                    except subprocess.TimeoutExpired:
+                        pass
+            except BaseException:  # interrupted (a signal handler's exception, Ctrl-C): no orphan check
+                _kill_group(proc)
+                raise
             tail = _tail(out)
         if proc.returncode == 0:
             return Verdict(True, tail)

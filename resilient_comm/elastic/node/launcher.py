@@ -77,10 +77,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import secrets
 import selectors
 import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -89,18 +87,17 @@ from typing import IO
 
 import torch.distributed as dist
 
-from resilient_comm.elastic.membership.protocol import Membership, connect
+from resilient_comm.elastic.membership.protocol import Membership
 from resilient_comm.elastic.model.env import (
     ENV_AGENT,
     ENV_NAMESPACE,
     ENV_SPARE,
-    ENV_STORE,
-    ENV_TOKEN,
     EXIT_EVICTED,
 )
 from resilient_comm.elastic.model.records import Gone, now
 from resilient_comm.elastic.node import rendezvous
 from resilient_comm.elastic.node.agent import NodeAgent
+from resilient_comm.elastic.node.connection import JobConnection
 from resilient_comm.elastic.node.health import (
     EXIT_UNHEALTHY,
     HealthCheck,
@@ -122,6 +119,10 @@ log = logging.getLogger("resilient_comm.launcher")
 
 @dataclass
 class Worker:
+    """One process of the node (a worker or a spare), in a session of its own (a terminal's
+    Ctrl-C reaches it once, through the launcher), watched through its pidfd. Used on the
+    launcher's loop; `send` also from a signal handler."""
+
     rank: int
     proc: subprocess.Popen
     pidfd: int
@@ -129,6 +130,44 @@ class Worker:
     status: int | None = None  # shell-style: code, or 128+signal
     spare: bool = False  # started as a hot spare
     local_rank: int = 0
+
+    @classmethod
+    def start(
+        cls,
+        cmd: list[str],
+        env: dict[str, str],
+        rank: int,
+        local_rank: int,
+        spare: bool,
+        log_path: str | None,
+    ) -> Worker:
+        """`cmd` as process `rank`, its output to `log_path` (None: the launcher's own)."""
+        out: IO[bytes] | None = None
+        if log_path:
+            os.makedirs(os.path.dirname(log_path), exist_ok=True)
+            out = open(log_path, "wb")  # noqa: SIM115 (closed by `reap`)
+        proc = subprocess.Popen(
+            cmd, env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT if out else None
+        )
+        return cls(rank, proc, os.pidfd_open(proc.pid), out, spare=spare, local_rank=local_rank)
+
+    def send(self, sig: int) -> None:
+        """`sig` to the process, if it still runs."""
+        if self.status is None:
+            try:
+                signal.pidfd_send_signal(self.pidfd, sig)
+            except (ProcessLookupError, OSError):
+                pass  # ended meanwhile; the selector reports it
+
+    def reap(self) -> int:
+        """Once its pidfd is readable (unregistered from any selector): its return code (the
+        status, shell-style, in `status`); its pidfd and log closed."""
+        returncode = self.proc.wait()
+        self.status = shell_status(returncode)  # first: `send` (a signal handler) stops using the pidfd
+        os.close(self.pidfd)
+        if self.log is not None:
+            self.log.close()
+        return returncode
 
 
 def describe_status(returncode: int) -> str:
@@ -177,8 +216,6 @@ class Launcher:
             raise ValueError(f"--nproc-per-node {nproc}: must be at least 1")
         if not 1 <= nnodes <= max_nodes:
             raise ValueError(f"--nnodes {nnodes}:{max_nodes}: needs 1 <= MIN <= MAX")
-        if rdzv_backend not in ("c10d", "etcd"):
-            raise ValueError(f"--rdzv-backend {rdzv_backend!r}: c10d (node 0 hosts a TCPStore) or etcd")
         self.assigned = node_rank is None and max_nodes > 1  # the rendezvous gives the place
         self.join_timeout_s = join_timeout_s
         # Every node of a job must use the same run id: a multi-node job without one takes
@@ -188,30 +225,16 @@ class Launcher:
             raise ValueError("--max-restarts needs a single node (restarting several nodes is not supported)")
         if node_rank is not None:  # a static layout is checked before any store is reached
             _check_place(node_rank, nnodes, max_nodes, nproc, spares, max_spare_starts)
-        self.backend = rdzv_backend
-        self.store, self.hosts_store = self._open_store(endpoint, node_rank, store_timeout)
+        self.conn = JobConnection(rdzv_backend, endpoint, node_rank, store_timeout, max_nodes)
+        self.store = self.conn.store
         if node_rank is None:
-            node_rank = self._claim(nnodes, max_nodes) if self.assigned else 0
+            node_rank = self.conn.claim(self.run_id, nnodes, max_nodes) if self.assigned else 0
             _check_place(node_rank, nnodes, max_nodes, nproc, spares, max_spare_starts)
         self.capacity = node_rank >= nnodes  # joins as spare capacity: no workers of its own, only spares
         spares = (nproc if self.capacity else 0) if spares is None else spares
         self.cmd, self.nproc, self.nnodes, self.node_rank = cmd, nproc, nnodes, node_rank
         self.max_nodes = max_nodes
         self.max_restarts, self.log_dir, self.extra_env = max_restarts, log_dir, dict(env or {})
-        # The job token (docs/security.md): the transports' Hellos carry a MAC of it, so a
-        # process without it cannot join a communicator. Handed to the workers through their
-        # environment, never the store. One node makes its own; several nodes need the same
-        # one, which only whoever starts them can give them all (RESILIENT_COMM_TOKEN).
-        self.token = os.environ.get(ENV_TOKEN) or (secrets.token_hex(32) if max_nodes == 1 else "")
-        if not self.token:
-            log.warning(
-                "no job token: set %s to the same secret on every node, or any process that reaches "
-                "the workers' ports can join their communicators (docs/security.md)",
-                ENV_TOKEN,
-            )
-        # The address this node's workers publish for TCP connections: the one it reaches the
-        # store from (the host name's address can be another interface's, or loopback).
-        self.local_addr = _local_address(self.host) if max_nodes > 1 else None
         self.generation = 0
         self.spares, self.max_spare_starts, self.spare_starts = spares, max_spare_starts, 0
         self._next_spare = 0
@@ -243,55 +266,21 @@ class Launcher:
         """The job's ranks: those of its initial nodes (a capacity node adds only spares)."""
         return self.nproc * self.nnodes
 
+    @property
+    def port(self) -> int:
+        """The store's port (c10d: where another node reaches it)."""
+        return self.conn.port
+
+    @property
+    def token(self) -> str:
+        return self.conn.token
+
     def client(self) -> dist.Store:
         """A new connection to the store (one per thread that uses it)."""
-        return connect(self.store_spec, datetime.timedelta(seconds=60))
+        return self.conn.client()
 
     def membership(self) -> Membership:
         return Membership(self.store, self.namespace, token=self.token)
-
-    def _open_store(
-        self, endpoint: str, node_rank: int | None, timeout: datetime.timedelta
-    ) -> tuple[dist.Store, bool]:
-        """The job's store, and whether this node hosts it (c10d: node 0; without a node rank,
-        whoever can bind the endpoint first)."""
-        if self.backend == "etcd":
-            from resilient_comm.elastic.membership.etcd.store import EtcdStore
-
-            etcd = EtcdStore(endpoint, timeout)  # every node is a client: nobody hosts it
-            self.host, self.port = etcd.endpoints[0]
-            self.store_spec = f"etcd://{endpoint}"
-            return etcd, False
-        host, port = endpoint.rsplit(":", 1)
-        hosting = node_rank == 0
-        store: dist.TCPStore | None = None
-        if node_rank is None and _is_local(host):
-            try:  # the endpoint is this host's, and nobody bound it yet: this node hosts it
-                store = dist.TCPStore(host, int(port), None, True, timeout=timeout, wait_for_workers=False)
-                hosting = True
-            except (RuntimeError, OSError) as e:  # another node's address, or taken: a client
-                log.info("rendezvous: %s:%s is not this node's to host (%s): a client of it", host, port, e)
-        if store is None:
-            store = dist.TCPStore(host, int(port), None, hosting, timeout=timeout, wait_for_workers=False)
-        self.host, self.port = host, store.port
-        self.store_spec = f"{self.host}:{self.port}"
-        return store, hosting
-
-    def _claim(self, least: int, most: int) -> int:
-        """This node's place from the rendezvous (node/rendezvous.py)."""
-        alive = None
-        if self.backend == "etcd":
-            m = Membership(self.store, f"rc/{self.run_id}/g0")
-            alive = lambda n: m.node_record(n) is not None  # noqa: E731 (a leased record: gone with its node)
-        place = rendezvous.claim(
-            self.store, self.run_id, least, most, rendezvous.identity(), self.hosts_store, alive
-        )
-        log.info(
-            "rendezvous: this node is node %d (%s)",
-            place,
-            f"of the job's {least}" if place < least else f"spare capacity: --nnodes {least}:{most}",
-        )
-        return place
 
     def _env(self, rank: int, local_rank: int, spare: bool = False) -> dict[str, str]:
         env = dict(os.environ)
@@ -309,23 +298,11 @@ class Launcher:
                 "TORCHELASTIC_RESTART_COUNT": str(self.generation),
                 "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
                 "TORCHELASTIC_RUN_ID": self.run_id,
-                ENV_STORE: self.store_spec,
                 ENV_NAMESPACE: self.namespace,
                 ENV_AGENT: self._agent().path,
+                **self.conn.worker_env(),
             }
         )
-        if self.backend == "c10d":  # torchrun's agent store (with etcd there is no TCPStore to point at)
-            env.update(
-                {
-                    "MASTER_ADDR": self.host,
-                    "MASTER_PORT": str(self.port),
-                    "TORCHELASTIC_USE_AGENT_STORE": "True",
-                }
-            )
-        if self.token:
-            env[ENV_TOKEN] = self.token
-        if self.local_addr and "RESILIENT_COMM_HOST" not in os.environ:
-            env["RESILIENT_COMM_HOST"] = self.local_addr
         if spare:
             env[ENV_SPARE] = "1"
         if "OMP_NUM_THREADS" not in os.environ and self.nproc > 1:
@@ -366,7 +343,7 @@ class Launcher:
             if self.capacity
             else "",
             self.generation,
-            self.host,
+            self.conn.host,
             self.port,
             self.namespace,
             " ".join(self.cmd),
@@ -375,19 +352,9 @@ class Launcher:
             self.health.start()  # (once: a restart's generation keeps the same monitor)
 
     def _spawn(self, rank: int, local_rank: int, spare: bool = False) -> Worker:
-        out: IO[bytes] | None = None
-        if self.log_dir:
-            os.makedirs(os.path.join(self.log_dir, str(self.generation)), exist_ok=True)
-            out = open(os.path.join(self.log_dir, str(self.generation), f"{rank}.log"), "wb")  # noqa: SIM115
-        proc = subprocess.Popen(
-            self.cmd,
-            env=self._env(rank, local_rank, spare),
-            start_new_session=True,
-            stdout=out,
-            stderr=subprocess.STDOUT if out else None,
-        )
-        w = Worker(rank, proc, os.pidfd_open(proc.pid), out, spare=spare, local_rank=local_rank)
-        self._agent().add(rank, proc.pid)
+        log_path = os.path.join(self.log_dir, str(self.generation), f"{rank}.log") if self.log_dir else None
+        w = Worker.start(self.cmd, self._env(rank, local_rank, spare), rank, local_rank, spare, log_path)
+        self._agent().add(rank, w.proc.pid)
         self._sel.register(w.pidfd, selectors.EVENT_READ, lambda: self._reap(w))
         self.workers.append(w)
         return w
@@ -469,10 +436,7 @@ class Launcher:
             for w in self.workers:
                 if w.status is None:
                     log.warning("killing %d (pid %d): still running after its node left", w.rank, w.proc.pid)
-                    try:
-                        signal.pidfd_send_signal(w.pidfd, signal.SIGKILL)
-                    except (ProcessLookupError, OSError):
-                        pass  # ended meanwhile; the selector reports it
+                    w.send(signal.SIGKILL)
 
     def run(self) -> int:
         waiting = self.assigned and not self.capacity
@@ -488,15 +452,11 @@ class Launcher:
         return signal.Signals(self._last_signal).name if self._last_signal else "a signal"
 
     def _reap(self, w: Worker) -> None:
-        returncode = w.proc.wait()
-        t = now()
         self._sel.unregister(w.pidfd)
-        os.close(w.pidfd)
+        returncode = w.reap()
+        t = now()
         self._reaped = True
         self._agent().exited(w.rank)
-        if w.log is not None:
-            w.log.close()
-        w.status = shell_status(returncode)
         what = describe_status(returncode)
         if self._shutting_down:
             # A planned departure: the others learn it now instead of waiting out this node's
@@ -561,11 +521,7 @@ class Launcher:
         ):
             self._ending = True
             for w in waiting:
-                if w.status is None:
-                    try:
-                        signal.pidfd_send_signal(w.pidfd, signal.SIGTERM)
-                    except (ProcessLookupError, OSError):
-                        pass  # ended meanwhile; the selector reports it
+                w.send(signal.SIGTERM)
 
     def _status(self) -> int:
         """The status of this node's workers that belong to the last membership decision. Once
@@ -596,7 +552,7 @@ class Launcher:
         key = f"rc/{self.run_id}/node-done/"
         agent = self._agent()
         agent.finish()
-        if self.backend != "c10d" or (self._cut_off() and not self.unhealthy):
+        if self.conn.backend != "c10d" or (self._cut_off() and not self.unhealthy):
             return  # nobody hosts an etcd cluster: no node waits for the others
         # (A node that left unhealthy still reaches the store: node 0 hosts it for the others.)
         try:
@@ -635,11 +591,7 @@ class Launcher:
         self._shutting_down = True
         sig = signal.SIGKILL if self._signals > 1 else sig
         for w in self.workers:
-            if w.status is None:
-                try:
-                    signal.pidfd_send_signal(w.pidfd, sig)
-                except (ProcessLookupError, OSError):
-                    pass  # ended meanwhile; the selector reports it
+            w.send(sig)
 
 
 def _check_place(
@@ -661,22 +613,3 @@ def _check_place(
             f"node {node_rank} is a capacity node (--nnodes {nnodes}:{max_nodes}: nodes {nnodes} to "
             f"{max_nodes - 1} run only spares) and --spares 0 leaves it nothing to run"
         )
-
-
-def _is_local(host: str) -> bool:
-    """Whether `host` names an address of this host (a TCPStore server listens on every
-    address: only the node the endpoint names may host it)."""
-    try:
-        addr = socket.gethostbyname(host)
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.bind((addr, 0))
-        return True
-    except OSError:
-        return False
-
-
-def _local_address(host: str) -> str:
-    """The local address this host uses to reach `host` (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((socket.gethostbyname(host), 9))
-        return str(s.getsockname()[0])

@@ -25,6 +25,10 @@ log = logging.getLogger("resilient_comm.elastic")
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
+class MetricsError(RuntimeError):
+    """The metrics cannot be served: no prometheus_client, or the port cannot be bound."""
+
+
 class NodeMetrics:
     """The node's series, in a registry of their own, served over HTTP from a thread of
     prometheus_client's. `port` 0: any free port (`port` then says which)."""
@@ -33,7 +37,7 @@ class NodeMetrics:
         try:
             import prometheus_client as pc
         except ImportError as e:
-            raise RuntimeError(
+            raise MetricsError(
                 "--metrics-port needs the prometheus_client package: pip install 'resilient_comm[metrics]'"
             ) from e
         r = self.registry = pc.CollectorRegistry()
@@ -84,7 +88,12 @@ class NodeMetrics:
         self.world.set(world)
         for s in SOURCES:
             self.detected_by.labels(s)  # every source shows, at 0 until seen
-        started = pc.start_http_server(port, addr=addr, registry=r)
+        try:
+            started = pc.start_http_server(port, addr=addr, registry=r)
+        except OSError as e:  # the port is taken, or not ours to bind
+            raise MetricsError(
+                f"--metrics-port {port}: cannot serve the metrics at {addr}:{port}: {e}"
+            ) from e
         server = started[0] if isinstance(started, tuple) else None
         self._server: Any = server
         self.port = server.server_port if server is not None else port
@@ -124,4 +133,4 @@ class NodeMetrics:
             self._server.server_close()
 
 
-__all__ = ["NodeMetrics"]
+__all__ = ["MetricsError", "NodeMetrics"]

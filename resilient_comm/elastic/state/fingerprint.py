@@ -10,6 +10,9 @@ never 0 modulo 2**64; the weighted sum also sees words that swapped places. The 
 every tensor, with its name, dtype and shape, and every non-tensor value (a learning rate, a
 step count) go through BLAKE2b. Nothing here is a cryptographic guarantee against a chosen
 collision: it guards against hardware, not against an adversary.
+
+`leaf_fingerprints` gives one fingerprint per leaf instead (slower: a pass per tensor): what a
+mismatch gathers to name the keys that differ.
 """
 
 from __future__ import annotations
@@ -67,6 +70,21 @@ def fingerprint(state: Any) -> bytes:
     return h.digest()
 
 
+def leaf_fingerprints(state: Any) -> dict[str, bytes]:
+    """Every leaf's path in `state` (as `fingerprint` walks it: ``/'model'/'fc.weight'``) ->
+    8 bytes that change when any bit of that leaf, its dtype or shape changes."""
+    out = {}
+    for path, value in _leaves("", state):
+        h = hashlib.blake2b(digest_size=8)
+        if isinstance(value, torch.Tensor):
+            h.update(f"{value.dtype}{tuple(value.shape)}".encode())
+            h.update(_sums(_bytes(value)).cpu().numpy().tobytes())
+        else:
+            h.update(repr(value).encode())
+        out[path] = h.digest()
+    return out
+
+
 def _leaves(path: str, value: Any) -> Iterator[tuple[str, Any]]:
     if isinstance(value, Mapping):
         for k in sorted(value, key=repr):
@@ -79,8 +97,12 @@ def _leaves(path: str, value: Any) -> Iterator[tuple[str, Any]]:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s bits as a flat uint8 tensor (a view where `t` is contiguous)."""
+    """`t`'s bits as a flat uint8 tensor (a view where `t` is contiguous). A DTensor is read
+    as this rank's shard: its global view would be a collective."""
     raw = t.detach()
+    to_local = getattr(raw, "to_local", None)  # a DTensor (duck-typed: no import of torch's tensor package)
+    if to_local is not None:
+        raw = to_local()
     if raw.is_complex():
         raw = torch.view_as_real(raw)
     raw = raw.contiguous().reshape(-1)
@@ -107,4 +129,4 @@ def _sums(b: torch.Tensor) -> torch.Tensor:
     return torch.stack([plain, weighted])
 
 
-__all__ = ["fingerprint"]
+__all__ = ["fingerprint", "leaf_fingerprints"]

@@ -24,6 +24,13 @@ class Checkpoints:
     def __init__(
         self, directory: str | os.PathLike[str] | None, every: int = 0, keep: int = 3, shard_dp: bool = False
     ) -> None:
+        if every < 0 or (every and directory is None):
+            raise ValueError(f"checkpoint_every={every} needs checkpoint_dir and must be >= 0")
+        if shard_dp and not every:
+            raise ValueError(
+                "shard_dp=True needs checkpoint_dir and checkpoint_every: a lost dp shard exists "
+                "only in a checkpoint"
+            )
         self.directory = os.fspath(directory) if directory is not None else None
         self.every, self.keep, self.shard_dp = every, keep, shard_dp
         self.writer: Any = None  # AsyncCheckpointer of this process's current rank

@@ -78,7 +78,6 @@ import torch
 import torch.distributed as dist
 
 import resilient_comm
-from resilient_comm.config import knob_int
 from resilient_comm.elastic.membership.protocol import Membership, connect
 from resilient_comm.elastic.model.bounds import DetectorConfig
 from resilient_comm.elastic.model.env import ENV_AGENT, ENV_NAMESPACE, ENV_SPARE, ENV_STORE
@@ -94,9 +93,8 @@ from resilient_comm.elastic.worker.commits import Commits
 from resilient_comm.elastic.worker.detector import Detector
 from resilient_comm.elastic.worker.errors import Evicted, RecoveryError
 from resilient_comm.elastic.worker.evidence import Evidence
+from resilient_comm.elastic.worker.gray import GrayChecks
 from resilient_comm.elastic.worker.groups import Groups, build_groups
-from resilient_comm.elastic.worker.integrity import Integrity
-from resilient_comm.elastic.worker.pace_watch import PaceWatch
 from resilient_comm.elastic.worker.rejoin import (
     await_decision,
     catch_up,
@@ -149,6 +147,7 @@ class Controller(Evidence):
     """One per worker process; its methods are for the training thread only."""
 
     _keep: int | None = None  # a step whose computed state a recovery may keep (`_recover_keeping`)
+    _total = 0  # the steps of the run (`steps`)
 
     def __init__(
         self,
@@ -184,9 +183,10 @@ class Controller(Evidence):
         checkpoint, re-sharded onto the new mesh (`reshard`; needs `checkpoint_every`). A state
         provider with an ``on_mesh(device_mesh)`` method has it called after every build of
         the groups, before its state is restored: it re-creates its model over the new mesh.
-        `fingerprint_every`: the dp replicas compare a fingerprint of their state after every
-        this many committed steps, and on a mismatch every member goes back to the newest state
-        they agreed on (`integrity`; 0: never; None: ``RESILIENT_COMM_FINGERPRINT_EVERY``).
+        `fingerprint_every`: the dp replicas compare a fingerprint of their replicated state
+        after every this many committed steps, the last one and each one checkpointed, and on a
+        mismatch every member goes back to the newest state they agreed on (`integrity`;
+        0: never; None: ``RESILIENT_COMM_FINGERPRINT_EVERY``; off under `shard_dp`).
         `pace`: fail-slow detection (`model/pace.py`: the window, thresholds and margin; None:
         ``RESILIENT_COMM_PACE_WINDOW`` and the defaults)."""
         env = os.environ
@@ -194,13 +194,6 @@ class Controller(Evidence):
         if missing:
             raise RuntimeError(
                 f"Controller needs {missing} in the environment: start workers with resilient-run"
-            )
-        if checkpoint_every < 0 or (checkpoint_every and checkpoint_dir is None):
-            raise ValueError(f"checkpoint_every={checkpoint_every} needs checkpoint_dir and must be >= 0")
-        if shard_dp and not checkpoint_every:
-            raise ValueError(
-                "shard_dp=True needs checkpoint_dir and checkpoint_every: a lost dp shard exists "
-                "only in a checkpoint"
             )
         self.rank = int(env["RANK"])
         self.is_spare = env.get(ENV_SPARE) == "1"
@@ -215,10 +208,7 @@ class Controller(Evidence):
         self._max_per_step = max_recoveries_per_step
         self._ckpts = Checkpoints(checkpoint_dir, checkpoint_every, checkpoint_keep, shard_dp)
         self._commits = Commits(start_step, snapshot and state is not None, self._ckpts, self._emit)
-        if fingerprint_every is None:
-            fingerprint_every = knob_int("RESILIENT_COMM_FINGERPRINT_EVERY", 0)
-        self.integrity = Integrity(fingerprint_every, self._emit)
-        self.pace = PaceWatch(pace or PaceConfig.from_env(), self.rank)
+        self.gray = GrayChecks(fingerprint_every, pace, shard_dp, self.rank, self._emit)
         store = connect(env[ENV_STORE], self._timeout)
         self._m = Membership(store, env[ENV_NAMESPACE])
         initial = Decision(0, list(range(world)), Mesh.for_world(world, tp, pp).as_dict(), "init", start_step)
@@ -266,22 +256,14 @@ class Controller(Evidence):
     def _spare_wait(self) -> None:
         """A hot spare: wait warm until a decision places this spare, then join that epoch
         as a member (build its groups, receive the state); or leave when the job ends."""
-        log.info("spare %d waiting warm", self.rank)
         d = wait_placed(self._m, self._detector, self.rank, self._check_fatal)
         if d is None:
             self._idle = True
             self._detector.stop()
-            log.info("spare %d: the job ended without needing it", self.rank)
             return
         self._place(d)
 
     def _place(self, d: Decision) -> None:
-        log.info(
-            "spare %d takes rank %d's place (epoch %d)",
-            self.rank,
-            d.slots[d.members.index(self.rank)] if d.slots else -1,
-            d.epoch,
-        )
         self._commits.committed, self._commits.next_step = -1, d.resume_step
         tl = self._timelines.placed(d)
         try:
@@ -363,6 +345,7 @@ class Controller(Evidence):
     def steps(self, total: int) -> Iterator[Step]:
         """Steps until every member committed step total-1 (recoveries move `next_step`; a
         member that finished helps any late recovery before it returns)."""
+        self._total = total
         while not self._idle:
             if self.next_step < total:
                 yield Step(self, self.next_step)
@@ -390,13 +373,13 @@ class Controller(Evidence):
 
     def _begin(self, step: int) -> None:
         self._commits.begin(step, self._state, lambda: self.place.rank, self.applied_epoch)
-        self.integrity.begin(self.committed, self._state, self._commits.snapshot)
         self._step_started = time.monotonic()
+        self.gray.step_started(self.committed, self._state, self._commits.snapshot, self._vote_device)
         self._detector.progress(step, "compute")
         self._emit("step.start", step=step)
 
     def _commit(self, step: int, apply: Callable[[], Any], grads: Sequence[torch.Tensor]) -> None:
-        self.pace.note(time.monotonic() - self._step_started)  # its own work, before any wait
+        self.gray.step_computed()  # its own work, before any wait
         with self._lock:
             lost = sorted(r for r in self._decision.members if r in self._evidence)
         if lost:
@@ -416,30 +399,24 @@ class Controller(Evidence):
         self._detector.step_done(time.monotonic() - self._step_started)
         self._timelines.first_commit(self._lock, self._detector.report)
         self._emit("step.committed", step=step)
-        # Gray failures, judged alike by every member at the same step's end.
-        if self.integrity.due(step) and self._state is not None:
-            back_to = self.integrity.check(
-                step, self._state, self.groups.world, self.members, self.mesh, self.rank
-            )
-            if back_to is not None:  # the steps since the agreed state run again
-                self._commits.rewind(back_to)
-                self.pace.forget(self.members)  # this window's times go with them
-                return
-        if self.pace.due():
-            spares = lambda: len(waiting_spares(self._m, self._decision))  # noqa: E731
-            leave = self.pace.window_end(step, self.groups.world, self.members, self.mesh, spares, self._emit)
-            if leave:  # they left (`Evicted`); the others recover on purpose: nothing failed
-                # Every member records them gone at once: the decision need not wait for their
-                # launchers to see them exit (a throttled rank takes seconds to tear down).
-                self._m.report_gone_many(
-                    [
-                        Gone(r, "left", f"slow: left after step {step}", now(), f"rank {self.rank}")
-                        for r in leave
-                    ]
-                )
-                self._recover(
-                    RuntimeError(f"planned: slow rank(s) {leave} left after step {step}"), op_error=False
-                )
+        after = self.gray.after_commit(
+            step,
+            last=step == self._total - 1,
+            checkpoint=self._ckpts.due(step + 1, step),
+            state=self._state,
+            world=self.groups.world,
+            members=self.members,
+            mesh=self.mesh,
+            spares=lambda: len(waiting_spares(self._m, self._decision)),
+        )
+        if after.back_to is not None:  # the steps since the agreed state run again
+            self._commits.rewind(after.back_to)
+        elif after.leave:  # they left (`Evicted`); the others recover on purpose: nothing failed
+            # Every member records them gone at once: the decision need not wait for their
+            # launchers to see them exit (a throttled rank takes seconds to tear down).
+            why = f"slow: left after step {step}"
+            self._m.report_gone_many([Gone(r, "left", why, now(), f"rank {self.rank}") for r in after.leave])
+            self._recover(RuntimeError(f"planned: slow rank(s) {after.leave} {why}"), op_error=False)
 
     def _recover_keeping(self, step: int, cause: BaseException, op_error: bool) -> None:
         """[Note: keeping the computed step] A failure that reaches a member before its step's
@@ -471,13 +448,6 @@ class Controller(Evidence):
                 resilient_comm.abort(pg, reason)
             except (ValueError, RuntimeError):
                 pass  # already destroyed by a shrink: nothing left to release
-
-    def _register(self, pg: dist.ProcessGroup, members: list[int]) -> None:
-        with self._lock:
-            self._held.append(pg)
-            doomed = [r for r in members if r in self._evidence]
-        if doomed:
-            self._abort([pg], f"rank(s) {doomed} gone while the group was being built")
 
     # -- recovery -------------------------------------------------------------------------
 
@@ -574,8 +544,7 @@ class Controller(Evidence):
         with self._lock:
             old, self._held, self._watching = self._held, [], set(d.members)
         self.applied_epoch, self._decision, self._ready = d.epoch, d, False
-        self.integrity.forget()  # the replicas and their shards may have changed
-        self.pace.forget(d.members)
+        self.gray.forget(d.members)  # the replicas, their shards and the members may have changed
         self._resolve_state()
         # Watch the new members from the start of the build: a spare that froze while it waited
         # (it heartbeats, but nobody watched it) is suspected by silence instead of holding the
@@ -589,7 +558,7 @@ class Controller(Evidence):
             self._backend,
             self._m,
             self._timeout,
-            lambda pg: self._register(pg, d.members),
+            lambda pg: self._hold(pg, d.members),
         )
         on_mesh = getattr(self._state, "on_mesh", None)
         if on_mesh is not None:

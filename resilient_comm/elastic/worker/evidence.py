@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, NoReturn
 
 import torch.distributed as dist
@@ -48,6 +48,16 @@ class Evidence:
 
     def _abort(self, held: list[Any], reason: str) -> None:
         raise NotImplementedError
+
+    def _hold(self, held: Any, members: Collection[int]) -> None:
+        """Hold `held` (a process group, a backend) for a failure to abort; abort it at once
+        where one of `members` is gone already, or this member was fenced or lost the store."""
+        with self._lock:
+            self._held.append(held)
+            doomed = sorted(r for r in self._evidence if r in members)
+            reason = self._fenced or self._fatal
+        if doomed or reason:
+            self._abort([held], reason or f"rank(s) {doomed} gone while the group was being made")
 
     def _note(self, g: Gone) -> None:
         """Called under the lock with every report, watched or not."""

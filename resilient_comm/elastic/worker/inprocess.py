@@ -93,12 +93,7 @@ class Restarter(Evidence):
     # -- evidence (detector threads) and the script's groups ------------------------------
 
     def _on_create(self, backend: Any) -> None:
-        with self._lock:
-            self._held.append(backend)
-            doomed = sorted(r for r in self._evidence if r in self._watching)
-            reason = self._fenced or self._fatal
-        if doomed or reason:
-            self._abort([backend], reason or f"rank(s) {doomed} gone before this group was made")
+        self._hold(backend, self._watching)
 
     def _abort(self, backends: list[Any], reason: str) -> None:
         for b in backends:
@@ -119,10 +114,8 @@ class Restarter(Evidence):
                     )
                 self._decision = self._m.decision(0) or self._decision
                 self._detector.progress(-1, "spare")
-                log.info("spare %d waiting warm", self.rank)
                 placed = wait_placed(self._m, self._detector, self.rank, self._check_fatal)
                 if placed is None:
-                    log.info("spare %d: the job ended without needing it", self.rank)
                     return None
                 self._decision, self.applied_epoch = placed, placed.epoch
             else:

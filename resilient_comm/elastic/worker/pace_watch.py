@@ -1,13 +1,16 @@
 """One member's side of fail-slow detection (`model/pace.py`): it times its own compute each
-step and, every `window` steps, gathers every member's median, node and receive rates, and
-judges. Runs in a worker, on its training thread, after a step's commit (`Controller._commit`).
+step where the compute runs (`step_timer.py`: on an accelerator, the device's time, not the
+host's) and, every `window` steps, gathers every member's median, node and receive rates, and
+judges. Runs in a worker, on its training thread: `step_started` at a step's start,
+`step_computed` at its commit, before the step's first wait on the others, and the window's
+judgement after the commit (`Controller._begin`, `Controller._commit`).
 
 A window costs one all-gather on the world group of 2 + 2 x PEERS floats per member (its
 median compute, its node, and the typical rate at which it received from each of the PEERS
 peers it received most from in the window, for telling a slow link from a slow rank: a
-constant size at any scale; on this 2-core machine ~2-3 ms for 4 ranks; benchmarks/README.md); where a rank is slow and no one has said yet how many hot
-spares wait, one broadcast more (world rank 0 reads the membership: every member then acts on
-the same number).
+constant size at any scale; on this 2-core machine ~2-3 ms for 4 ranks; benchmarks/README.md);
+where a rank is slow and no one has said yet how many hot spares wait, one broadcast more
+(world rank 0 reads the membership: every member then acts on the same number).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from resilient_comm.api import resilient_backend
 from resilient_comm.elastic.model.pace import Pace, PaceConfig, PaceVerdict
 from resilient_comm.elastic.model.policy import Mesh
 from resilient_comm.elastic.worker.errors import Evicted
+from resilient_comm.elastic.worker.step_timer import StepTimer, step_timer
 
 log = logging.getLogger("resilient_comm.elastic")
 PEERS = 4  # receive rates per member and window: a ring's or a tree's peers, and then some
@@ -44,23 +48,45 @@ class PaceWatch:
         self.node = own_node(rank)
         self.pace = Pace(cfg)
         self._compute: list[float] = []
+        self._timer: tuple[torch.device, StepTimer] | None = None  # made at the first step
         self.verdicts: list[PaceVerdict] = []  # every window that found a slow rank or link, in order
         # The receive histograms at the window's start, and the backend they were read from.
         self._rx_base: tuple[object, dict[int, list[int]]] | None = None
+        self._told_no_rates = False
+
+    def step_started(self, device: torch.device) -> None:
+        """A step's compute starts, on `device` (on an accelerator: on its current stream)."""
+        if not self.cfg.window:
+            return
+        if self._timer is None or self._timer[0] != device:
+            self._timer = (device, step_timer(device))
+        self._timer[1].start()
+
+    def step_computed(self) -> None:
+        """The step's compute ends: what follows waits on the others. The times of earlier
+        steps that can be read without waiting for the device are noted."""
+        if self._timer is not None:
+            timer = self._timer[1]
+            timer.stop()
+            for s in timer.take(wait=False):
+                self.note(s)
 
     def note(self, compute_s: float) -> None:
-        """This member's compute in the step that is synchronising now."""
+        """This member's compute in a step, timed by the caller."""
         if self.cfg.window:
             self._compute.append(compute_s)
 
     def forget(self, members: list[int]) -> None:
         """A recovery: the window starts again, with these members."""
         self._compute.clear()
+        if self._timer is not None:
+            self._timer[1].clear()
         self._rx_base = None
         self.pace.forget(members)
 
     def due(self) -> bool:
-        return self.cfg.window > 0 and len(self._compute) >= self.cfg.window
+        timed = len(self._compute) + (self._timer[1].pending if self._timer is not None else 0)
+        return self.cfg.window > 0 and timed >= self.cfg.window
 
     def window_end(
         self,
@@ -73,10 +99,11 @@ class PaceWatch:
     ) -> list[int]:
         """The window's judgement, as the controller runs it: logged, told to the hook
         (``pace.window`` every window, ``pace.slow`` when a rank is or was slow,
-        ``pace.slow_link`` when a node's link became or stopped being slow), and the ranks
+        ``pace.slow_link`` when a node's link became or stopped being slow, ``pace.no_link_rates``
+        once where the world's backend gives no receive rates), and the ranks
         that leave. This member, if one of them, raises `Evicted` (it leaves at this step's
         end, committed); the others get the list and recover on purpose."""
-        v = self.judge(step, world, members, mesh, spares)
+        v = self.judge(step, world, members, mesh, spares, emit)
         emit("pace.window", step=step, speeds=v.speeds, links=v.links)
         for r in v.newly_slow:
             log.warning(
@@ -112,15 +139,24 @@ class PaceWatch:
         return v.leave
 
     def judge(
-        self, step: int, world: dist.ProcessGroup, members: list[int], mesh: Mesh, spares: Callable[[], int]
+        self,
+        step: int,
+        world: dist.ProcessGroup,
+        members: list[int],
+        mesh: Mesh,
+        spares: Callable[[], int],
+        emit: Callable[..., None] | None = None,
     ) -> PaceVerdict:
         """Gather every member's median compute over the window, its node and what it
         received from each peer, and judge (the same on every member). `spares()`: the hot
-        spares waiting, read by world rank 0 only when needed."""
+        spares waiting, read by world rank 0 only when needed; `emit`: the hook."""
+        if self._timer is not None:
+            for s in self._timer[1].take(wait=True):
+                self.note(s)
         mine = torch.full((2 + 2 * PEERS,), -1.0, dtype=torch.float64)
         mine[0], mine[1] = statistics.median(self._compute), self.node
         self._compute.clear()
-        for k, (peer, rate) in enumerate(self._received(world)):
+        for k, (peer, rate) in enumerate(self._received(world, emit)):
             mine[2 + 2 * k], mine[3 + 2 * k] = peer, rate
         gathered = [torch.empty(2 + 2 * PEERS, dtype=torch.float64) for _ in members]
         dist.all_gather(gathered, mine, group=world)
@@ -142,15 +178,27 @@ class PaceWatch:
             self.verdicts.append(v)
         return v
 
-    def _received(self, world: dist.ProcessGroup) -> list[tuple[int, float]]:
+    def _received(
+        self, world: dist.ProcessGroup, emit: Callable[..., None] | None
+    ) -> list[tuple[int, float]]:
         """The PEERS world ranks this member received the most large frames from since the
         window began, each with its median frame's rate (bytes/s); none where that is not
         known: a communicator that is not TCP, or the first window of a new one (its counts
-        start here)."""
+        start here), or a backend that is not resilient_comm's (said once)."""
         try:
             backend = resilient_backend(world, "fail-slow detection")
             now = {int(p): list(counts) for p, counts in backend.receive_rates()}
-        except (ValueError, RuntimeError):
+        except (ValueError, RuntimeError) as e:
+            if not self._told_no_rates:
+                self._told_no_rates = True
+                log.warning(
+                    "rank %d: fail-slow detection reads no receive rates from the world group (%s): "
+                    "slow ranks are judged, slow links go unreported",
+                    self.rank,
+                    e,
+                )
+                if emit is not None:
+                    emit("pace.no_link_rates", error=str(e))
             return []
         base, self._rx_base = self._rx_base, (backend, now)
         if base is None or base[0] is not backend:

@@ -14,6 +14,7 @@ bounded by the recovery's deadline (`RecoveryError`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 
@@ -26,6 +27,8 @@ from resilient_comm.elastic.worker.checkpoints import Checkpoints
 from resilient_comm.elastic.worker.detector import Detector
 from resilient_comm.elastic.worker.errors import Evicted, RecoveryError
 from resilient_comm.elastic.worker.pacer import Pacer
+
+log = logging.getLogger("resilient_comm.elastic")
 
 
 def catch_up(
@@ -186,11 +189,13 @@ def wait_placed(
     """A hot spare: register, then wait warm until a decision places it (that decision), or
     the job ends (None)."""
     m.register_spare(rank)
+    log.info("spare %d waiting warm", rank)
     seen = 0
     while True:
         news = detector.news()
         check_fatal()
         if m.finished():
+            log.info("spare %d: the job ended without needing it", rank)
             return None
         for e in range(seen + 1, m.epoch() + 1):
             d = m.decision(e)
@@ -198,6 +203,8 @@ def wait_placed(
                 break
             seen = e
             if rank in d.joiners:
+                slot = d.slots[d.members.index(rank)] if d.slots else -1
+                log.info("spare %d takes rank %d's place (epoch %d)", rank, slot, d.epoch)
                 return d
         # Woken by the agent's events (a decision, the end); a second without any: look again.
         detector.wait_news(news, 1.0)

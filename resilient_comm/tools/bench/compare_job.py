@@ -10,9 +10,9 @@ around the step differs, and each is written the way its own documentation says:
   enable_reconfigure=True)``, handles exchanged through the job's store, then
   ``dist._reconfigure(uuid, handles).wait()``. Who is left is the user's to find out: here
   the bench's launcher (which sees its children exit, as torchrun's agent does) writes the
-  dead ranks to the store. A survivor that catches the error waits for that notice, takes a
-  new handle and reconfigures with the survivors; the survivors then agree on the step (a
-  rank whose all_reduce finished before the failure rolls its last update back).
+  dead ranks to the store (`dead_key`). A survivor that catches the error waits for that
+  notice, takes a new handle and reconfigures with the survivors; the survivors then agree on
+  the step (a rank whose all_reduce finished before the failure rolls its last update back).
 - ``torchft``: one replica group per process (torchft's DDP example: "for DDP we can use
   replica groups of size 1"), its `Manager`, `DistributedDataParallel` and `Optimizer` over
   its `ProcessGroupGloo`; the bench starts the `torchft_lighthouse` command. A step whose all_reduce failed is
@@ -98,6 +98,20 @@ class Stop:
         return step > self._last
 
 
+def dead_key(deaths: int) -> str:
+    """The job store's key that the bench's launcher sets when the `deaths`-th rank exits with an
+    error; its value lists every rank dead so far. Numbered by deaths, not by reconfiguration:
+    a survivor that knows of k dead ranks waits on key k + 1, whichever reconfiguration it is at."""
+    return f"dead/{deaths}"
+
+
+def dead_ranks(store: dist.Store, deaths: int, timeout: datetime.timedelta) -> set[int]:
+    """Every dead rank, once the launcher has reported `deaths` of them (raises on `timeout`)."""
+    key = dead_key(deaths)
+    store.wait([key], timeout)
+    return {int(r) for r in store.get(key).decode().split(",")}
+
+
 def _average(grads: list[torch.Tensor], world: int) -> None:
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)
@@ -167,9 +181,8 @@ def run_reconfigure(a: argparse.Namespace) -> None:
             ev.emit("commit", step=step, world=len(members))
             step += 1
         except RuntimeError:  # gloo raises RuntimeError, ours DistBackendError (a subclass)
-            # The launcher writes the dead ranks, one key per death, counted by "deaths".
-            store.wait([f"dead/{uuid}"], datetime.timedelta(seconds=600))
-            gone = {int(r) for r in store.get(f"dead/{uuid}").decode().split(",")}
+            # This failure is one death more than the ones this rank already left behind.
+            gone = dead_ranks(store, world - len(members) + 1, datetime.timedelta(seconds=600))
             members = [r for r in members if r not in gone]
             uuid += 1
             reconfigure()
