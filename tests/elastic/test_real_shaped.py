@@ -93,8 +93,11 @@ def test_a_sigkill_then_a_flipped_bit_recover_bit_for_bit_in_120_steps(tmp_path:
 
 
 @pytest.mark.timeout(200)
-def test_fsdp2_300_steps_at_the_default_interval_are_never_rolled_back(tmp_path: Any) -> None:
-    took, events = _run(str(tmp_path), "--fsdp", "--ckpt", str(tmp_path / "ckpt"), "--steps", "300")
+def test_fsdp2_300_steps_at_a_short_interval_are_never_rolled_back(tmp_path: Any) -> None:
+    """The FSDP2 job at RESILIENT_COMM_FINGERPRINT_EVERY=5 (a comparison would be due every 5
+    steps and before every checkpoint): every step committed once."""
+    took, events = _run(str(tmp_path), "--fsdp", "--ckpt", str(tmp_path / "ckpt"), "--steps", "300",
+                        env={"RESILIENT_COMM_FINGERPRINT_EVERY": "5"})
     assert not _of(events, "mismatch") and not _of(events, "agreed"), "nothing is compared"
     off = _of(events, "off")
     assert sorted(e["rank"] for e in off) == [0, 1, 2, 3], "said once per rank"
@@ -105,12 +108,11 @@ def test_fsdp2_300_steps_at_the_default_interval_are_never_rolled_back(tmp_path:
 
 
 @pytest.mark.timeout(200)
-def test_fsdp2_with_a_sigkill_and_a_flip_at_a_short_interval_ends_without_a_rollback(tmp_path: Any) -> None:
-    """The FSDP2 job at RESILIENT_COMM_FINGERPRINT_EVERY=5: the SIGKILLed replica leaves, the
-    survivors re-shard the newest checkpoint and finish; the flip is not seen (no replicas to
-    compare: docs/elastic.md says so) and nothing goes back."""
+def test_fsdp2_with_a_sigkill_and_a_flip_at_the_default_interval_ends_without_a_rollback(tmp_path: Any) -> None:
+    """The SIGKILLed replica leaves, the survivors re-shard the newest checkpoint and finish;
+    the flip is not seen (no replicas to compare: docs/elastic.md says so) and nothing goes back."""
     took, events = _run(str(tmp_path), "--fsdp", "--ckpt", str(tmp_path / "ckpt"), "--steps", "300",
-                        "--kill", "3:150", "--flip", "0:100", env={"RESILIENT_COMM_FINGERPRINT_EVERY": "5"})
+                        "--kill", "3:150", "--flip", "0:100")
     assert not _of(events, "mismatch") and len(_of(events, "flip")) == 1
     assert [e["rank"] for e in _of(events, "evicted")] == [2], "the victim's replica leaves"
     for r in (0, 1):
