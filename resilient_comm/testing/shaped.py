@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from resilient_comm.testing.toy import Events
+from resilient_comm.testing.toy import Events, train_or_leave
 
 FEATURES, HIDDEN, BATCH, SAMPLES = 16, 64, 8, 1024
 
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dump", default=None)
     a = p.parse_args(argv)
 
-    from resilient_comm.elastic import EXIT_EVICTED, Controller, Evicted, RecoveryError, TrainState
+    from resilient_comm.elastic import Controller, TrainState
     from resilient_comm.elastic.model.env import ENV_SPARE
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -199,34 +199,30 @@ def main(argv: list[str] | None = None) -> int:
         ctl = Controller(state=state, hook=hook, comm_bytes=sum(p.numel() * 4 for p in model.parameters()))
     torch.manual_seed(1000 + rank)  # per-rank RNG: each rank's dropout masks differ
 
-    try:
+    def train() -> None:
+        st: Any
         for s in ctl.steps(a.steps):
             with s:
-                st: Any = ctl.state
+                st = ctl.state
                 m, o, data = (st.model, st.opt, st.position) if a.fsdp else (st.model, st.optimizer, st.extra)
                 o.zero_grad(set_to_none=False)
                 x, y = data.next()
                 nn.functional.mse_loss(m(x), y).backward()
                 grads = () if a.fsdp else [q.grad for q in m.parameters()]
                 s.commit(o.step, grads=grads)
-    except Evicted as e:
-        events.write("evicted", why=str(e))
-        sys.stdout.flush()
-        os._exit(EXIT_EVICTED)
-    except RecoveryError as e:
-        events.write("failed", why=str(e))
-        print(f"rank {rank}: {e}", file=sys.stderr, flush=True)
+
+    if not train_or_leave(events, rank, train):
         return 1
     if ctl.state is None:  # a spare never placed
         events.write("done", committed=ctl.committed, members=ctl.members)
         ctl.close()
         return 0
-    st = ctl.state
-    params = {k: _full(v) for k, v in st.model.named_parameters()}  # a collective under FSDP2
+    end: Any = ctl.state
+    params = {k: _full(v) for k, v in end.model.named_parameters()}  # a collective under FSDP2
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)
-        opt_sd = st.opt.state_dict() if a.fsdp else st.optimizer.state_dict()
-        data = st.position if a.fsdp else st.extra
+        opt_sd = end.opt.state_dict() if a.fsdp else end.optimizer.state_dict()
+        data = end.position if a.fsdp else end.extra
         torch.save(
             {
                 "params": params,

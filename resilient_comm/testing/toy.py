@@ -43,6 +43,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import torch
@@ -215,8 +216,30 @@ def _flip_a_bit(trainer: Trainer, events: Events, step: int) -> None:
     events.write("flip", step=step)
 
 
+def train_or_leave(events: Events, rank: int, train: Callable[[], Any]) -> bool:
+    """train(), the controller's loop; False where the job cannot go on (`RecoveryError`). A
+    worker that left the job (`Evicted`: its replica evicted, or a slow rank handing its place
+    to a spare) exits at once, without the interpreter's teardown: with torch loaded that is
+    ~1 s of CPU in the garbage collector (measured), taken from the members still training on
+    a shared machine, and 10 s of it for a rank held at a tenth of a core."""
+    from resilient_comm.elastic import EXIT_EVICTED, Evicted, RecoveryError
+
+    try:
+        train()
+    except Evicted as e:
+        events.write("evicted", why=str(e))
+        print(f"rank {rank}: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_EVICTED)
+    except RecoveryError as e:
+        events.write("failed", why=str(e))
+        print(f"rank {rank}: cannot recover: {e}", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
 def run_elastic(a: argparse.Namespace) -> int:
-    from resilient_comm.elastic import EXIT_EVICTED, Controller, Evicted, Mesh, RecoveryError
+    from resilient_comm.elastic import Controller, Mesh
     from resilient_comm.elastic.model.env import ENV_SPARE
     from resilient_comm.elastic.model.pace import PaceConfig
     from resilient_comm.elastic.state.transfer import digest
@@ -377,20 +400,7 @@ def run_elastic(a: argparse.Namespace) -> int:
         if a.ckpt and a.ckpt_every and (s.step + 1) % a.ckpt_every == 0 and ctl.members[0] == rank:
             _save(a.ckpt, s.step, trainer)
 
-    try:
-        ctl.run(a.steps, train_step)
-    except Evicted as e:
-        events.write("evicted", why=str(e))
-        print(f"rank {rank}: {e}", file=sys.stderr, flush=True)
-        # A worker that left the job (its replica evicted, or a slow rank handing its place to a
-        # spare) exits without the interpreter's teardown: with torch loaded that is ~1 s of CPU
-        # in the garbage collector (measured), taken from the members still training on a
-        # shared machine, and 10 s of it for a rank held at a tenth of a core.
-        sys.stdout.flush()
-        os._exit(EXIT_EVICTED)
-    except RecoveryError as e:
-        events.write("failed", why=str(e))
-        print(f"rank {rank}: cannot recover: {e}", file=sys.stderr, flush=True)
+    if not train_or_leave(events, rank, lambda: ctl.run(a.steps, train_step)):
         return 1
     for tl in ctl.recoveries:
         events.write("recovery", timeline=tl.as_dict())

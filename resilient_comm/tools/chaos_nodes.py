@@ -94,7 +94,8 @@ def draw(index: int, kind: str, rng: random.Random, nodes: int, steps: int) -> T
         fault = LinkFault(node, [(step, round(rng.uniform(*LIMIT_S), 2))], float(rng.choice(MBITS)))
     else:
         raise ValueError(f"{kind!r} is not a link fault (flap, slow-link)")
-    return Trial(index, kind, [a for s, _ in fault.at for a in ("--hold", f"0:{s}")], [], link=fault)
+    hold = [a for s, _ in fault.at for a in ("--hold", f"0:{s}")]
+    return Trial(index, kind, steps, FINGERPRINT_EVERY, hold, [], link=fault)
 
 
 class NodeJob:
@@ -246,7 +247,7 @@ class NodeBench:
         from resilient_comm.testing.toy import read_events
 
         assert t.link is not None
-        out = Outcome(t.index, t.kind, t.args)
+        out = Outcome(t.index, t.kind, t.args, t.steps)
         try:
             want = self.reference()
         except (RuntimeError, TimeoutError, OSError) as e:
