@@ -29,8 +29,23 @@ and checks: no hang (the job ends within --timeout-s), exit status 0, every memb
 decision at the final step, replicas bit-identical, and equal to the reference (a fault-free
 run continued from each recovery's resume step with the survivors' data streams; with a spare,
 the fault-free run itself; tp2 compares the replicas of each shard only), no false eviction
-(nobody lost or evicted but the victims and their replica partners), and the recovery time.
-slow-rank needs root and cgroup v1's cpu controller; flap and slow-link need root, network
+(nobody lost or evicted but the victims and their replica partners), a long trial's replicas
+compared after step 99 and after the last step (where no recovery began right after that
+step's commit), and the recovery time.
+
+A trial is short (``--steps``, 24, the replicas comparing every 5 steps) or long: every trial
+of the second round through the kinds, and of every other round after it (trials 15-28 of
+fourteen kinds), runs ``--long-steps`` (160) steps with the comparison at its default interval
+(RESILIENT_COMM_FINGERPRINT_EVERY unset for the job, whatever the caller's environment says),
+so that it runs past the comparison after step 99 and the run's last, as a job that sets
+nothing does. Its fault is drawn over the whole run: a kill anywhere, a bit flipped after any
+step (found by the comparison after step 99 or by the run's last), kill-last-vote at its last
+step. slow-rank, flap and slow-link stay short: slow-rank's pace window grows with the run (a
+sixth of it), so its victim would crawl at 0.05 core for tens of seconds before a verdict; the
+node kinds' bench makes one fault-free reference on its nodes, for one length, and a long run
+of 8 ranks on one machine adds little that the local long trials do not check.
+
+slow-rank needs root and the cpu controller (cgroup v1 or v2); flap and slow-link need root, network
 namespaces and etcd, and run on --nodes nodes of two ranks each (`chaos_nodes`), their
 reference a fault-free run on those nodes. A kind that cannot run here is refused when named,
 skipped with a note when every kind was asked for (no --kinds).
@@ -55,9 +70,13 @@ from dataclasses import asdict
 from typing import Any
 
 from resilient_comm.tools.chaos_trial import (
+    DEFAULT_EVERY,
     FINGERPRINT_EVERY,
+    FINGERPRINT_KNOB,
     KINDS,
+    LONG_STEPS,
     NODE_KINDS,
+    SHORT_ONLY,
     SLOW_BELOW,
     SLOW_BURN_MS,
     SLOW_CORES,
@@ -78,47 +97,72 @@ def pace_window(steps: int) -> int:
     return max(2, steps // 6)
 
 
-def draw(index: int, kind: str, rng: random.Random, world: int, steps: int, nodes: int = 4) -> Trial:
+def is_long(index: int, kind: str, kinds: int) -> bool:
+    """Whether trial `index` of a run that takes `kinds` kinds in turn is long: every trial of
+    the second round through the kinds and of every other round after it (every kind gets long
+    trials; a fixed stride such as every 4th, with an even number of kinds, would only ever
+    lengthen the same ones), but never slow-rank, flap or slow-link's."""
+    return (index // kinds) % 2 == 1 and kind not in SHORT_ONLY
+
+
+def draw(
+    index: int,
+    kind: str,
+    rng: random.Random,
+    world: int,
+    steps: int,
+    nodes: int = 4,
+    long_steps: int = 0,
+) -> Trial:
     """The fault of trial `index`: where and when, from the seeded `rng` (flap and slow-link:
-    on `nodes` nodes)."""
+    on `nodes` nodes). `long_steps`: a long trial of that many steps, compared at the default
+    interval, instead of `steps` steps compared every `FINGERPRINT_EVERY`."""
+    if long_steps and kind in SHORT_ONLY:
+        raise ValueError(f"{kind} trials are short only ({', '.join(SHORT_ONLY)} never run long)")
     if kind in NODE_KINDS:
         from resilient_comm.tools import chaos_nodes
 
         return chaos_nodes.draw(index, kind, rng, nodes, steps)
+    every = None if long_steps else FINGERPRINT_EVERY
+    steps = long_steps or steps
+
+    def trial(args: list[str], victims: list[int], **fault: Any) -> Trial:
+        return Trial(index, kind, steps, every, args, victims, **fault)
+
     step = rng.randrange(3, steps - 5)
     victim = rng.randrange(world)
     phase = rng.choice(PHASES)
     kill = ["--kill", f"{victim}:{step}:{phase}"]
     if kind == "kill":
-        return Trial(index, kind, kill, [victim])
+        return trial(kill, [victim])
     if kind == "kill2":
         other = rng.choice([r for r in range(world) if r != victim])
         later = rng.randrange(step, steps - 4)
-        return Trial(index, kind, [*kill, "--kill", f"{other}:{later}:{rng.choice(PHASES)}"], [victim, other])
+        return trial([*kill, "--kill", f"{other}:{later}:{rng.choice(PHASES)}"], [victim, other])
     if kind in ("kill-in-recovery", "kill-decider"):
         survivors = [r for r in range(world) if r != victim]
         second = survivors[0] if kind == "kill-decider" else rng.choice(survivors)
-        return Trial(
-            index, kind, [*kill, "--kill", f"{second}:1:{rng.choice(('joined', 'agreed'))}"], [victim, second]
-        )
+        return trial([*kill, "--kill", f"{second}:1:{rng.choice(('joined', 'agreed'))}"], [victim, second])
     if kind == "kill-last-vote":
-        return Trial(index, kind, ["--kill", f"{victim}:{steps - 1}:committed"], [victim])
+        return trial(["--kill", f"{victim}:{steps - 1}:committed"], [victim])
     if kind == "kill-checkpointing":
-        return Trial(index, kind, [*kill, "--ckpt-dir-every", "3"], [victim])
+        return trial([*kill, "--ckpt-dir-every", "3"], [victim])
     if kind == "stop-short":
-        return Trial(index, kind, ["--mark", f"{victim}:{step}"], [], stop=(victim, step, STOP_SHORT_S))
+        return trial(["--mark", f"{victim}:{step}"], [], stop=(victim, step, STOP_SHORT_S))
     if kind == "stop-long":
         # Past a few heartbeats: a rank whose last beat came before its first step is held to
         # the start-up bound (ten floors), longer than this stop.
         step = max(step, 10)
-        return Trial(index, kind, ["--mark", f"{victim}:{step}"], [victim], stop=(victim, step, STOP_LONG_S))
+        return trial(["--mark", f"{victim}:{step}"], [victim], stop=(victim, step, STOP_LONG_S))
     if kind == "spare":
-        return Trial(index, kind, kill, [victim], spares=1)
+        return trial(kill, [victim], spares=1)
     if kind == "tp2":
-        return Trial(index, kind, ["--tp", "2", *kill], [victim], tp=2)
-    if kind == "bitflip":  # before the last comparison, so that one finds it
-        flip = rng.randrange(1, steps - FINGERPRINT_EVERY - (steps % FINGERPRINT_EVERY))
-        return Trial(index, kind, ["--flip", f"{victim}:{flip}"], [])
+        return trial(["--tp", "2", *kill], [victim], tp=2)
+    if kind == "bitflip":
+        # Short: before the last periodic comparison, so that one finds it. Long: after any
+        # step, found by the comparison after step 99 or by the run's last.
+        end = steps if every is None else steps - every - (steps % every)
+        return trial(["--flip", f"{victim}:{rng.randrange(1, end)}"], [])
     if kind == "slow-rank":  # two whole windows (the patience) after the quota, and one to spare
         window = pace_window(steps)
         at = rng.randrange(2, max(3, steps - 4 * window - 1))
@@ -130,9 +174,7 @@ def draw(index: int, kind: str, rng: random.Random, world: int, steps: int, node
             "--pace-slow-below",
             str(SLOW_BELOW),
         ]
-        return Trial(
-            index, kind, ["--mark", f"{victim}:{at}", *pace], [victim], slow=(victim, at, SLOW_CORES)
-        )
+        return trial(["--mark", f"{victim}:{at}", *pace], [victim], slow=(victim, at, SLOW_CORES))
     raise ValueError(f"unknown trial kind {kind!r} (kinds: {', '.join(KINDS)})")
 
 
@@ -216,34 +258,30 @@ class Reference:
         return state["state"]
 
 
-def run_trial(t: Trial, world: int, steps: int, workdir: str, timeout_s: float, ref: Reference) -> Outcome:
-    """One trial on this machine (not flap or slow-link: `chaos_nodes.NodeBench.run_trial`)."""
+def run_trial(t: Trial, world: int, workdir: str, timeout_s: float, ref: Reference) -> Outcome:
+    """One trial on this machine (not flap or slow-link: `chaos_nodes.NodeBench.run_trial`);
+    `ref`: the fault-free runs of `t.steps` steps."""
     import torch
 
     from resilient_comm.elastic import Membership
     from resilient_comm.testing.harness import same_state, wait_for
     from resilient_comm.testing.toy import ToyJob
 
-    out = Outcome(t.index, t.kind, t.args)
+    if ref.steps != t.steps:
+        raise ValueError(f"trial {t.index} runs {t.steps} steps, its reference {ref.steps}")
+    steps = t.steps
+    out = Outcome(t.index, t.kind, t.args, steps)
     quota = None
     dump = os.path.join(workdir, "dump")
     hold = ["--hold", "0:1"] if t.spares else []  # the kill comes after the spare registered
-    args = [
-        "--steps",
-        str(steps),
-        "--step-ms",
-        str(STEP_MS),
-        "--fingerprint-every",
-        str(FINGERPRINT_EVERY),
-        "--dump",
-        dump,
-        *t.args,
-        *hold,
-    ]
+    every = [] if t.every is None else ["--fingerprint-every", str(t.every)]
+    args = ["--steps", str(steps), "--step-ms", str(STEP_MS), *every, "--dump", dump, *t.args, *hold]
     if "--ckpt-dir-every" in args:
         args += ["--ckpt-dir", os.path.join(workdir, "ckpt")]
+    # Empty is unset to the knob: the default interval, whatever the caller's environment says.
+    env = {FINGERPRINT_KNOB: ""} if t.every is None else {}
     t0 = time.monotonic()
-    job = ToyJob(world, args, workdir, quiet=True, spares=t.spares).start()
+    job = ToyJob(world, args, workdir, quiet=True, spares=t.spares, env=env).start()
     store = job.launcher.client()
     m = Membership(store, job.launcher.namespace)
     try:
@@ -292,6 +330,8 @@ def run_trial(t: Trial, world: int, steps: int, workdir: str, timeout_s: float, 
         out.fail("the flipped bit was never found")
     if t.slow:
         _check_slow(out, t.slow, decisions, job.events())
+    if t.every is None:
+        _check_compared(out, t, decisions, job.events())
     killed = {e["rank"] for e in job.events() if e["event"] == "kill"}
     alive = [r for r in last.members if r not in killed]
     finals = {}
@@ -337,6 +377,19 @@ def _check_slow(out: Outcome, slow: tuple[int, int, float], decisions: list[Any]
         out.fail(f"rank {rank} left without being judged slow")
     else:
         out.note = f"judged slow after step {verdicts[0]['step']}: {verdicts[0]['why']}"
+
+
+def _check_compared(out: Outcome, t: Trial, decisions: list[Any], events: list[dict]) -> None:
+    """The replicas compared their state after every `t.interval`-th step and after the last,
+    each at least once (a comparison that found a flipped bit ran again after going back). A
+    recovery that resumed right after such a step's commit (a rank killed as it committed, the
+    comparison's gather failing) started a new baseline instead: that comparison is not due."""
+    compared = {e["step"] for e in events if e["event"] in ("agreed", "mismatch")}
+    resumed = {d.resume_step for d in decisions[1:]}
+    due = [*range(t.interval - 1, t.steps - 1, t.interval), t.steps - 1]
+    missed = [s for s in due if s not in compared and s + 1 not in resumed]
+    if missed:
+        out.fail(f"the replicas never compared after step(s) {missed} (compared after {sorted(compared)})")
 
 
 def _segments(decisions: list[Any], steps: int) -> list[tuple[int, list[int]]]:
@@ -416,7 +469,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--nodes", type=int, default=4, help="flap and slow-link: nodes of two ranks each (default 4)"
     )
-    p.add_argument("--steps", type=int, default=24, help="training steps per trial (default 24)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=24,
+        help=f"training steps per short trial, compared every {FINGERPRINT_EVERY} (default 24)",
+    )
+    p.add_argument(
+        "--long-steps",
+        type=int,
+        default=LONG_STEPS,
+        help=f"training steps per long trial, compared at the default interval ({DEFAULT_EVERY}): every "
+        f"trial of every second round through the kinds, except {', '.join(SHORT_ONLY)} (default "
+        f"{LONG_STEPS}; 0: none)",
+    )
     p.add_argument(
         "--timeout-s", type=float, default=120.0, help="a trial still running after this is a hang"
     )
@@ -431,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown kinds {bad} (kinds: {', '.join(KINDS)})")
     if a.trials < 1 or a.world < 2 or a.steps < 10 or a.nodes < 3:
         p.error("needs --trials >= 1, --world >= 2, --steps >= 10 and --nodes >= 3")
+    if a.long_steps and a.long_steps < DEFAULT_EVERY + 10:
+        p.error(f"--long-steps must run past the default comparison interval: 0 or >= {DEFAULT_EVERY + 10}")
     if "tp2" in kinds and a.world % 2:
         p.error("tp2 trials need an even --world")
     why = {k: w for k in dict.fromkeys(kinds) if (w := unavailable(k))}
@@ -440,22 +508,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chaos: no {k} trials here: {w}", flush=True)
     kinds = [k for k in kinds if k not in why]
     rng = random.Random(a.seed)
-    trials = [draw(i, kinds[i % len(kinds)], rng, a.world, a.steps, a.nodes) for i in range(a.trials)]
+    trials = []
+    for i in range(a.trials):
+        kind = kinds[i % len(kinds)]
+        long_steps = a.long_steps if is_long(i, kind, len(kinds)) else 0
+        trials.append(draw(i, kind, rng, a.world, a.steps, a.nodes, long_steps))
     with tempfile.TemporaryDirectory(prefix="rc-chaos-") as tmp, contextlib.ExitStack() as stack:
         root = a.workdir or tmp
         os.makedirs(root, exist_ok=True)
         local, linked = sum(not t.link for t in trials), sum(bool(t.link) for t in trials)
+        long = sum(t.every is None for t in trials)
         where = [f"{local} on {a.world} ranks"] if local else []
         if linked:
             where.append(f"{linked} on {a.nodes} nodes of 2 ranks")
+        length = f"{a.steps} steps compared every {FINGERPRINT_EVERY}"
+        if long:
+            length += f" ({long} long: {a.long_steps} steps compared every {DEFAULT_EVERY})"
         print(
-            f"chaos: {a.trials} trials, seed {a.seed}, {a.steps} steps, {' and '.join(where)}; "
+            f"chaos: {a.trials} trials, seed {a.seed}, {length}, {' and '.join(where)}; "
             "fault-free reference...",
             flush=True,
         )
-        ref, bench = None, None
-        if local:
-            ref = Reference(a.world, a.steps, os.path.join(root, "reference"), a.timeout_s)
+        # One per length: a segment's result depends on where the run ends.
+        refs = {
+            n: Reference(a.world, n, os.path.join(root, f"reference-{n}"), a.timeout_s)
+            for n in sorted({t.steps for t in trials if not t.link})
+        }
+        bench = None
         if linked:
             from resilient_comm.tools.chaos_nodes import NodeBench
 
@@ -466,8 +545,7 @@ def main(argv: list[str] | None = None) -> int:
             if bench is not None and t.link:
                 o = bench.run_trial(t, trial_dir)
             else:
-                assert ref is not None
-                o = run_trial(t, a.world, a.steps, trial_dir, a.timeout_s, ref)
+                o = run_trial(t, a.world, trial_dir, a.timeout_s, refs[t.steps])
             outcomes.append(o)
             rec = f"{max(o.recovery_ms):.0f} ms" if o.recovery_ms else "-"
             print(
@@ -485,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
                     "world": a.world,
                     "nodes": a.nodes,
                     "steps": a.steps,
+                    "long_steps": a.long_steps,
                     "trials": [asdict(o) for o in outcomes],
                 },
                 f,

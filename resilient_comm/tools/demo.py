@@ -25,6 +25,7 @@ import time
 
 import torch.distributed as dist
 
+from resilient_comm.config import knob_int
 from resilient_comm.tools.bench.recovery import FIX, Run, Settings, run_ours, run_torchrun
 
 PHASES = ("detected", "aborted", "agreed", "rebuilt", "restored", "first_commit")
@@ -79,7 +80,12 @@ def _side_by_side(runs: list[Run], nproc: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="resilient-comm demo", description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=4, help="worker processes (default 4)")
-    p.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=120,
+        help="training steps (default 120: past the replicas' first comparison at its default interval)",
+    )
     p.add_argument(
         "--kill-step", type=int, default=25, help="the victim dies at the start of this step (default 25)"
     )
@@ -159,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"{a.steps} steps in the same processes."
             )
         print(f"SIGKILL -> first committed step on every member: {1e3 * (ours.first_commit_s or 0):.1f} ms.")
+        if ours.compared:
+            every = knob_int("RESILIENT_COMM_FINGERPRINT_EVERY", 0)
+            print(
+                f"the replicas' state fingerprints agreed after step(s) {', '.join(map(str, ours.compared))} "
+                f"(compared every {every} steps and after the last)."
+            )
         if ours.nccl_emulator:
             st = ours.nccl_emulator
             print(

@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from resilient_comm.elastic.node.agent import node_lease_s
 from resilient_comm.elastic.node.lease import tolerated_outage_s
 from resilient_comm.testing import cgroup, cluster
 from resilient_comm.testing.harness import same_state
+from resilient_comm.testing.toy import read_events
 from resilient_comm.tools import chaos
 
 
@@ -42,7 +44,7 @@ class _WrongReference:
     asked for are kept)."""
 
     def __init__(self, real: Any) -> None:
-        self.real, self.asked = real, []
+        self.real, self.steps, self.asked = real, real.steps, []
 
     def final(self, segments: list[tuple[int, list[int]]]) -> Any:
         self.asked.append(segments)
@@ -58,7 +60,7 @@ def test_a_trial_that_ends_away_from_the_reference_is_divergent(tmp_path: Any) -
     ref = chaos.Reference(4, 16, str(tmp_path / "ref"), 100.0)
     t = chaos.draw(0, "kill", random.Random(3), 4, 16)
     wrong = _WrongReference(ref)
-    bad = chaos.run_trial(t, 4, 16, str(tmp_path / "bad"), 100.0, wrong)  # type: ignore[arg-type]
+    bad = chaos.run_trial(t, 4, str(tmp_path / "bad"), 100.0, wrong)  # type: ignore[arg-type]
     assert not bad.ok and bad.divergent, bad
     assert bad.problems == ["the final state differs from the fault-free reference"], bad.problems
     # The same run against the true reference is not divergent: only the bit flipped made it so.
@@ -121,6 +123,68 @@ def test_the_new_kinds_draw_within_their_bounds() -> None:
             assert link.link is not None and link.link.mbit in (20, 30, 40, 50) and 1 <= link.link.node <= 3
             ((step, secs),) = link.link.at
             assert 2 <= step < steps - 5 and 2.0 <= secs <= 4.0, link
+
+
+def test_long_trials_reach_every_kind_and_draw_their_faults_over_the_whole_run() -> None:
+    # Forty trials of the fourteen kinds lengthen every kind that may run long (a stride of 4
+    # would only ever lengthen the kinds at odd places, never bitflip or kill-last-vote).
+    n = len(chaos.KINDS)
+    long = {chaos.KINDS[i % n] for i in range(40) if chaos.is_long(i, chaos.KINDS[i % n], n)}
+    assert long == set(chaos.KINDS) - set(chaos.SHORT_ONLY) and "bitflip" in long, long
+    flips = []
+    for seed in range(40):
+        rng = random.Random(seed)
+        flip = chaos.draw(0, "bitflip", rng, 4, 24, long_steps=160)
+        assert (flip.steps, flip.every, flip.interval) == (160, None, chaos.DEFAULT_EVERY), flip
+        flips.append(int(flip.args[1].split(":")[1]))
+        last = chaos.draw(1, "kill-last-vote", rng, 4, 24, long_steps=160)
+        assert last.args == ["--kill", f"{last.victims[0]}:159:committed"], last
+        kill2 = chaos.draw(2, "kill2", rng, 4, 24, long_steps=160)
+        first, second = (int(k.split(":")[1]) for k in kill2.args[1::2])
+        assert 3 <= first <= second < 156, kill2
+        short = chaos.draw(3, "bitflip", rng, 4, 24)
+        assert (short.steps, short.every) == (24, 5) and 1 <= int(short.args[1].split(":")[1]) < 15, short
+    # Found by the comparison after step 99 or by the run's last one.
+    assert chaos.DEFAULT_EVERY == 100 and min(flips) <= 99 < max(flips) < 160, flips
+    with pytest.raises(ValueError, match="slow-rank trials are short only"):
+        chaos.draw(0, "slow-rank", random.Random(1), 4, 24, long_steps=160)
+
+
+def test_a_long_trial_that_skipped_a_comparison_fails_unless_a_recovery_replaced_it() -> None:
+    t = chaos.draw(0, "kill-last-vote", random.Random(1), 4, 24, long_steps=160)
+    start = SimpleNamespace(resume_step=0)
+
+    def problems(compared: list[int], resumed: list[int]) -> list[str]:
+        out = chaos.Outcome(0, t.kind, t.args, t.steps)
+        events = [{"event": "agreed", "step": s} for s in compared]
+        chaos._check_compared(out, t, [start, *(SimpleNamespace(resume_step=r) for r in resumed)], events)
+        return out.problems
+
+    assert problems([99, 159], []) == []
+    assert problems([159], []) == ["the replicas never compared after step(s) [99] (compared after [159])"]
+    assert problems([99], [160]) == []  # killed as it committed the last step: the last comparison's gather failed
+    assert problems([159], [100]) == []
+    assert problems([], [99]) == ["the replicas never compared after step(s) [99, 159] (compared after [])"]
+
+
+@pytest.mark.timeout(90)
+def test_a_long_trial_compares_at_the_default_interval_whatever_the_environment(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The caller's interval must not reach a long trial: its replicas compare after step 99 and
+    # after the last step, nowhere else, and the comparison after step 99 finds the bit flipped.
+    # Two ranks (no majority names the replica; every member goes back all the same): half the
+    # time of four on two cores.
+    monkeypatch.setenv("RESILIENT_COMM_FINGERPRINT_EVERY", "5")
+    t = chaos.draw(0, "bitflip", random.Random(2), 2, 24, long_steps=chaos.LONG_STEPS)
+    assert t.args[0] == "--flip" and int(t.args[1].split(":")[1]) < 99, t
+    ref = chaos.Reference(2, t.steps, str(tmp_path / "ref"), 60.0)
+    out = chaos.run_trial(t, 2, str(tmp_path / "trial"), 60.0, ref)
+    assert out.ok and out.status == 0 and out.steps == 160 and not out.false_evictions, out
+    events = read_events(str(tmp_path / "trial" / "events"))
+    assert sorted({e["step"] for e in events if e["event"] in ("agreed", "mismatch")}) == [99, 159]
+    assert {e["step"] for e in events if e["event"] == "mismatch"} == {99}
+    assert out.seconds < 25, f"the trial took {out.seconds:.1f} s"
 
 
 def test_a_kind_that_cannot_run_here_is_refused_when_named(capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:

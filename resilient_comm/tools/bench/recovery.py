@@ -85,6 +85,7 @@ class Run:
     nccl_emulator: list[dict[str, Any]] = field(
         default_factory=list
     )  # ours on the emulated NCCL: each survivor's stats
+    compared: list[int] = field(default_factory=list)  # ours: steps after which the replicas agreed
     note: str = ""
 
 
@@ -186,6 +187,7 @@ def run_ours(nproc: int, rep: int, s: Settings, root: str, sigstop: bool = False
         return run
     _from_timelines(run, fault_t, events)
     run.nccl_emulator = [e["stats"] for e in events if e["event"] == "nccl_emulator"]
+    run.compared = sorted({e["step"] for e in events if e["event"] == "agreed"})
     run.note = f"launcher status {status}"
     return run
 
