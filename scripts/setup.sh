@@ -38,9 +38,10 @@ if ! "$VPY" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0]
 fi
 # ruff and mypy pinned: CI fails on their findings, so a new release must not move the bar.
 "${PIP[@]}" "setuptools>=64" wheel cmake ninja "pytest>=7" "pytest-timeout>=2" expecttest numpy matplotlib "etcd3gw>=2.4" "prometheus_client>=0.17" ruff==0.17.6 mypy==2.4.1
-# torchft (the pin of pyproject's `bench` extra) for the suite's test of `bench compare`'s torchft
-# row, on the suite's torch; its dependencies are pure Python, it leaves torch as it is.
-if [ "$TORCH_VERSION" = "$DEFAULT_TORCH" ]; then "${PIP[@]}" "torchft-nightly==2026.10.26"; fi
+# torchft (the pin of pyproject's `bench` extra) for the suite's tests of `bench compare`'s
+# torchft row and of torchft's own native-group test on our backends (which needs its test
+# dependency parameterized), on the suite's torch; pure Python, it leaves torch as it is.
+if [ "$TORCH_VERSION" = "$DEFAULT_TORCH" ]; then "${PIP[@]}" "torchft-nightly==2026.10.26" parameterized; fi
 
 # NCCL for resilient_nccl (loaded at run time; its nccl.h for the ABI test): the nvidia-nccl wheel
 # that goes with this torch, never a second one over torch's own -- they all write the same

@@ -77,8 +77,12 @@ std::string ResilientBackend::lastReconfigure() const {
 std::shared_ptr<tcp::TcpCommunicator> ResilientBackend::refreshBase() const {
   auto host = std::dynamic_pointer_cast<tcp::TcpCommunicator>(cpuComm());
   if (host && host != base_ && host->everBuilt()) {
+    const std::vector<std::string>& book = host->addressBook();
+    for (auto& [identity, since] : replaced_) {
+      since.insert(book.begin(), book.end());
+    }
     if (base_) {
-      replaced_.insert(base_->identity());
+      replaced_[base_->identity()].insert(book.begin(), book.end());
     }
     base_ = host;
   }

@@ -118,7 +118,8 @@ const char* planKindName(ReconfigurePlan::Kind kind) {
 }
 
 Result<ReconfigurePlan> planReconfigure(const std::vector<std::string>& handles, bool ordered, const std::string& self,
-                                        int64_t uuid, const std::set<uint64_t>& stale, const tcp::JobKey& key) {
+                                        int64_t uuid, const std::map<uint64_t, std::set<std::string>>& replaced,
+                                        const tcp::JobKey& key) {
   if (handles.empty()) {
     return Status(StatusCode::kInvalidArgument, "reconfigure needs at least one handle");
   }
@@ -133,9 +134,11 @@ Result<ReconfigurePlan> planReconfigure(const std::vector<std::string>& handles,
                                           : "names the same endpoint as " + shown(it->second) +
                                                 ": one of them is stale (call get_reconfigure_handle() again)");
     }
-    if (h.identity != 0 && stale.count(h.identity) != 0) {
-      return bad(text, "is stale: it names a communicator that a later reconfigure replaced (each process must "
-                       "call get_reconfigure_handle() again after every reconfigure)");
+    auto since = h.identity != 0 ? replaced.find(h.identity) : replaced.end();
+    if (since != replaced.end() && since->second.count(h.addr) != 0) {
+      return bad(text, "is stale: it names a communicator that a later reconfigure replaced, and its process took "
+                       "part in that one (each process must call get_reconfigure_handle() again after every "
+                       "reconfigure)");
     }
     plan.members.push_back(std::move(h));
   }

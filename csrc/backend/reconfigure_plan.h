@@ -29,11 +29,16 @@
 //   device communicator grows (ncclCommGrow) at its first use, the newcomers joining it;
 // - anything else (a reorder, a merge of groups) → a fresh communicator over the handles'
 //   listeners, named by the uuid and the member list.
-// A handle of a communicator this process has since replaced is stale: refused, like garbage,
-// a foreign MAC, a duplicate, or a list without this process's own current handle.
+// A handle naming a communicator this process has since replaced, from a process that took part
+// in a later one (its address is a member's there), is stale: that process has a newer handle.
+// Refused, like garbage, a foreign MAC, a duplicate, or a list without this process's own
+// current handle. A process that sat out the later reconfigures still holds the handle of the
+// communicator it last built: its handle is current, and the list (of several communicators)
+// is a fresh communicator, as gloo accepts it.
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -70,10 +75,12 @@ struct ReconfigurePlan {
 };
 
 // The plan for `handles` (`ordered`: a list, ranks by position; else a set), this process
-// being `self` (its current handle); `stale`: identities of communicators this process has
-// replaced. kInvalidArgument for bad input (see the note), the group untouched.
+// being `self` (its current handle); `replaced`: identities of communicators this process has
+// replaced -> the addresses of the members of every communicator it built since.
+// kInvalidArgument for bad input (see the note), the group untouched.
 Result<ReconfigurePlan> planReconfigure(const std::vector<std::string>& handles, bool ordered, const std::string& self,
-                                        int64_t uuid, const std::set<uint64_t>& stale, const tcp::JobKey& key);
+                                        int64_t uuid, const std::map<uint64_t, std::set<std::string>>& replaced,
+                                        const tcp::JobKey& key);
 
 const char* planKindName(ReconfigurePlan::Kind kind);
 

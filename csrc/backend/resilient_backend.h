@@ -302,7 +302,9 @@ class ResilientBackend : public c10d::Backend {
   std::atomic<bool> configured_{true};  // false from enable_reconfigure until the first reconfigure
   mutable std::mutex rcMu_;
   mutable std::shared_ptr<tcp::TcpCommunicator> base_;  // see refreshBase()
-  mutable std::set<uint64_t> replaced_;                 // identities of former bases
+  // Former bases' identities -> the addresses of the members of every base since (a handle of
+  // one is stale only where its process took part in a later one: reconfigure_plan.h).
+  mutable std::map<uint64_t, std::set<std::string>> replaced_;
   mutable std::shared_ptr<tcp::Listener> ownListener_;  // where no base has one
   mutable std::string ownAddr_;
   // The handle handed out (and the base and listener it names), fixed until the next

@@ -323,8 +323,16 @@ def _bad_input(ctx: WorkerContext, backend: str) -> dict:
         reused = "accepted"
     except ValueError as e:
         reused = str(e)
+    # A peer's handle of the communicator that reconfigure 2 replaced: that peer took part in
+    # reconfigure 2 and has a newer one (a peer that sat it out would still be current).
+    latest = _handles(store, "h3", ctx.rank, everyone)
+    try:
+        dist._reconfigure(3, [latest[0], current[1], latest[2]])
+        peer_stale = "accepted"
+    except ValueError as e:
+        peer_stale = str(e)
     return {"before": before, "errors": errors, "unchanged": unchanged, "reused": reused,
-            "after": _sum_of([1.0, 2.0, 3.0])}
+            "after": _sum_of([1.0, 2.0, 3.0]), "peer_stale": peer_stale}
 
 
 @pytest.mark.timeout(120)
@@ -341,6 +349,7 @@ def test_stale_foreign_and_garbage_handles_and_a_reused_uuid_are_value_errors_an
         assert "at least one handle" in e["empty"], e
         assert v["unchanged"] == 6.0 and v["after"] == 6.0
         assert "uuid 2 was already used" in v["reused"], v["reused"]
+        assert "is stale" in v["peer_stale"], v["peer_stale"]
 
 
 # --- an op pending on the old membership; abort hooks ------------------------------------------
