@@ -84,8 +84,9 @@ def _check(name: str, ok: bool, what: str) -> None:
 @dataclasses.dataclass(frozen=True)
 class FailSlow:
     """Slow episodes. ``speeds``: ``(relative speed, probability)`` levels. The pace judge's
-    parameters mirror :class:`resilient_comm.elastic.model.pace.PaceConfig`'s defaults (the
-    simulator may not import the controller; a test keeps them equal)."""
+    parameters mirror :class:`resilient_comm.elastic.model.pace.PaceConfig`'s defaults, but
+    for the window: the judge's default is off (0), the simulator's the advised 20 (the
+    simulator may not import the controller; a test keeps them in line)."""
 
     gpu_hours_per_episode: float
     speeds: tuple[tuple[float, float], ...]
