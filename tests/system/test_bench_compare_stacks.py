@@ -1,6 +1,7 @@
 """`resilient-comm bench compare`'s peer stacks end to end: one repetition of each row that
-compares us with another stack (torchrun's restart, torch's reconfigure API on gloo, torchft),
-as small as the bench allows: two ranks, the kill in the first steps, one step of tail.
+compares us with another stack (torchrun's restart, torch's reconfigure API on gloo, torchft on
+its gloo group and on a native group of ours), as small as the bench allows: two ranks, the
+kill in the first steps, one step of tail.
 
 Each asserts the row a user reads: the survivors recovered (a finite kill -> commit time, under
 a bound that only a hang exceeds) and ended with equal parameters, and the bench's exit status.
@@ -20,6 +21,13 @@ from resilient_comm.tools.bench import compare
 
 # The bench's bound on one run; the pytest timeout leaves room for its start and teardown.
 RUN_BOUND_S = 90
+# The torchft-fast rows' settings with timeouts short enough for a test yet far above this job's
+# millisecond all_reduce on a loaded machine: the Lighthouse drops the victim after its 1 s
+# heartbeat timeout (until then the survivor alone is not more than half of the healthy
+# replicas), and a quorum that takes longer than 30 s would end the survivor.
+TORCHFT_TEST = {
+    "pg_timeout": 5, "timeout": 5, "quorum_timeout": 30, "heartbeat_timeout_ms": 1000, "join_timeout_ms": 100,
+}  # fmt: skip
 
 
 def _one_row(tmp_path: pathlib.Path, stack: str, *settings: str) -> None:
@@ -58,11 +66,17 @@ def test_torchs_reconfigure_on_gloo_goes_on_without_the_dead_rank(tmp_path: path
     reason="torchft is not installed: pip install --no-build-isolation -e '.[bench]'",
 )
 def test_torchft_forms_a_quorum_without_the_dead_replica(tmp_path: pathlib.Path) -> None:
-    # The torchft-fast row with timeouts short enough for a test yet far above this job's
-    # millisecond all_reduce on a loaded machine: the Lighthouse drops the victim after its
-    # 1 s heartbeat timeout (until then the survivor alone is not more than half of the healthy
-    # replicas), and a quorum that takes longer than 30 s would end the survivor.
-    fast = {
-        "pg_timeout": 5, "timeout": 5, "quorum_timeout": 30, "heartbeat_timeout_ms": 1000, "join_timeout_ms": 100,
-    }  # fmt: skip
-    _one_row(tmp_path, "torchft-fast", "--torchft-fast", json.dumps(fast))
+    _one_row(tmp_path, "torchft-fast", "--torchft-fast", json.dumps(TORCHFT_TEST))
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchft") is None,
+    reason="torchft is not installed: pip install --no-build-isolation -e '.[bench]'",
+)
+def test_torchft_on_a_native_group_of_ours_forms_a_quorum_without_the_dead_replica(
+    tmp_path: pathlib.Path,
+) -> None:
+    # torchft-fast's twin at `TORCHFT_TEST`: a native torch group whose CPU backend is
+    # resilient_tcp, which the Manager reconfigures in place at each new quorum.
+    _one_row(tmp_path, "torchft-fast-ours", "--torchft-fast", json.dumps(TORCHFT_TEST))

@@ -25,6 +25,9 @@ Stacks (each written as its own documentation says; the settings column shows wh
   and README: gloo timeout 5 s, Manager timeout 30 s, Lighthouse ``--min_replicas 1
   --quorum_tick_ms 100 --join_timeout_ms 10000``) and ``torchft-fast`` (the fastest settings
   that stayed stable here: ``--torchft-fast``, below).
+- ``torchft-fast-ours``: torchft-fast's settings, its Manager given a native torch ProcessGroup
+  (``enable_reconfigure=True``) whose CPU backend is ``resilient_tcp`` instead of its gloo
+  wrapper: the same recovery protocol, our transport under it.
 - ``ours``: the elastic Controller under ``resilient-run`` on ``resilient_tcp``, defaults.
 - ``reconfigure-ours``: torch's reconfigure API on ``resilient_tcp`` at torch's default timeout.
 
@@ -112,6 +115,14 @@ def stacks(gloo_timeout: float, fast: dict[str, Any]) -> list[Stack]:
             "torchft-example", "torchft", _ft_text(TORCHFT_EXAMPLE), torchft=TORCHFT_EXAMPLE, default=False
         ),
         Stack("torchft-fast", "torchft", _ft_text(fast), torchft=fast, default=False),
+        Stack(
+            "torchft-fast-ours",
+            "torchft",
+            f"native group on resilient_tcp; {_ft_text(fast)}",
+            torchft=fast,
+            backend="resilient_tcp",
+            default=False,
+        ),
         Stack("ours", "ours", "resilient-run + Controller, defaults"),
         Stack(
             "reconfigure-ours",
@@ -237,8 +248,9 @@ class Job:
             for r in range(world):
                 self._spawn(
                     [sys.executable, *job, "--torchft", ft],
-                    {**env, "REPLICA_GROUP_ID": str(r), "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"},
-                )
+                    {**env, "REPLICA_GROUP_ID": str(r), "NUM_REPLICA_GROUPS": str(world),
+                     "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"},
+                )  # fmt: skip
 
     def _spawn(self, cmd: list[str], env: dict[str, str]) -> None:
         self.procs.append(

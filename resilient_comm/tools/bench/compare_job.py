@@ -16,7 +16,8 @@ around the step differs, and each is written the way its own documentation says:
 - ``torchft``: one replica group per process (torchft's DDP example: "for DDP we can use
   replica groups of size 1"), its `Manager`, `DistributedDataParallel` and `Optimizer` over
   its `ProcessGroupGloo`; the bench starts the `torchft_lighthouse` command. A step whose all_reduce failed is
-  not committed; the next quorum leaves the dead replica out.
+  not committed; the next quorum leaves the dead replica out. With ``--backend resilient_tcp``
+  the Manager gets a native torch ProcessGroup on our backend instead (`_native_group`).
 - ``ours``: the elastic `Controller` under ``resilient-run`` (docs/elastic.md's loop).
 
 Each rank appends JSON lines to ``<events>/<rank>-<pid>.jsonl``: ``start`` (its pid),
@@ -209,7 +210,13 @@ def run_torchft(a: argparse.Namespace) -> None:
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
     settings = json.loads(a.torchft)
     pg_timeout = settings.pop("pg_timeout", None)
-    pg = ProcessGroupGloo(**({"timeout": datetime.timedelta(seconds=pg_timeout)} if pg_timeout else {}))
+    if a.backend == "gloo":
+        pg: ProcessGroupGloo | dist.ProcessGroup = ProcessGroupGloo(
+            **({"timeout": datetime.timedelta(seconds=pg_timeout)} if pg_timeout else {})
+        )
+    else:
+        world = int(os.environ["NUM_REPLICA_GROUPS"])  # as torchft's train_ddp.py reads it
+        pg = _native_group(a.backend, store, replica, world, pg_timeout or _TORCHFT_PG_TIMEOUT_S)
     # The Manager's own settings: durations in seconds, counts as they are.
     kw = {
         k: datetime.timedelta(seconds=v)
@@ -242,6 +249,29 @@ def run_torchft(a: argparse.Namespace) -> None:
             ev.emit("commit", step=step, world=manager.num_participants())
     ev.emit("final", digest=digest(m))
     manager.shutdown()
+
+
+# torchft's ProcessGroupGloo's default op timeout, given to a native group when none is set.
+_TORCHFT_PG_TIMEOUT_S = 60.0
+
+
+def _native_group(
+    backend: str, store: dist.Store, rank: int, world: int, timeout_s: float
+) -> dist.ProcessGroup:
+    """A native torch ProcessGroup whose CPU backend is ours, as torchft's Manager takes one
+    (its manager_integ_test.py does the same with gloo): created with `enable_reconfigure`, so
+    it connects nothing until the Manager's first `reconfigure` hands it the quorum's handles.
+    The handles carry the peers' addresses, so the replica's own store is enough."""
+    from resilient_comm import _C
+
+    prefixed = dist.PrefixStore("native", store)  # apart from the Manager's keys on the same store
+    pg = dist.ProcessGroup(prefixed, rank, world)
+    ours = _C.create_backend(backend, prefixed, rank, world, timeout_s, f"torchft_native_{rank}", True)
+    # The type is only the key the group dispatches CPU ops by; GLOO's, as torchft's own native
+    # test registers its backend, so nothing in torch or torchft looks for another one.
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, ours)
+    return pg
 
 
 def run_ours(a: argparse.Namespace) -> None:
