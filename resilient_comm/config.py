@@ -25,9 +25,14 @@ def knobs() -> list[Knob]:
     return [Knob(name, default, doc) for name, default, doc in _C.knobs()]
 
 
+def knob(name: str) -> Knob:
+    """The knob declared as `name`."""
+    return next(k for k in knobs() if k.name == name)
+
+
 def knob_int(name: str, least: int) -> int:
     """An integer knob's value, at least `least` (a clear ValueError otherwise)."""
-    value = next(k for k in knobs() if k.name == name).value
+    value = knob(name).value
     try:
         n = int(value)
     except ValueError:
@@ -40,7 +45,7 @@ def knob_int(name: str, least: int) -> int:
 def knob_s(name: str, least_ms: float) -> float:
     """A millisecond knob's value, in seconds; at least `least_ms` and positive (a clear
     ValueError otherwise)."""
-    value = next(k for k in knobs() if k.name == name).value
+    value = knob(name).value
     try:
         ms = float(value)
     except ValueError:

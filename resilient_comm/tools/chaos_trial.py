@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from resilient_comm.config import knobs
+from resilient_comm.config import knob
 
 KINDS = (
     "kill",
@@ -31,7 +31,7 @@ FINGERPRINT_KNOB = "RESILIENT_COMM_FINGERPRINT_EVERY"
 # A long trial compares at the knob's default interval, as a job that sets nothing does, so it
 # must run past that interval's first comparison (after step 99) and end a good many steps
 # later, with the run's last comparison apart from it: 160 steps, ~4 s of the toy's steps.
-DEFAULT_EVERY = int(next(k.default for k in knobs() if k.name == FINGERPRINT_KNOB))
+DEFAULT_EVERY = int(knob(FINGERPRINT_KNOB).default)
 LONG_STEPS = 160
 SHORT_ONLY = ("slow-rank", *NODE_KINDS)  # always short: see chaos's module docstring
 # slow-rank: 0.05 core makes a rank's step (25 ms asleep, 5 ms of CPU) 0.29-0.51 of its peers'

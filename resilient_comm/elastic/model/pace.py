@@ -48,14 +48,14 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from resilient_comm.config import knob_int, knobs
+from resilient_comm.config import knob, knob_int
 
 WINDOW_KNOB = "RESILIENT_COMM_PACE_WINDOW"
 
 
 def _default_window() -> int:
     """The knob's declared default (csrc/common/env.h), whatever the environment says."""
-    return int(next(k.default for k in knobs() if k.name == WINDOW_KNOB))
+    return int(knob(WINDOW_KNOB).default)
 
 
 @dataclass(frozen=True)
