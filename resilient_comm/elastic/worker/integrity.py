@@ -236,7 +236,8 @@ def _gather_leaves(view: dict[str, Any], world: dist.ProcessGroup, n: int) -> li
     dist.all_gather(sizes, torch.tensor([len(text)], dtype=torch.int64), group=world)
     longest = max(int(t.item()) for t in sizes)
     mine = torch.zeros(longest, dtype=torch.uint8)
-    mine[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8) if text else mine[:0]
+    if text:
+        mine[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
     out = [torch.empty(longest, dtype=torch.uint8) for _ in range(n)]
     dist.all_gather(out, mine, group=world)
     leaves = []
