@@ -18,7 +18,9 @@ within milliseconds, ring neighbour or not, and the process stays alive to recov
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
+import os
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -107,3 +109,9 @@ def _register() -> None:
 
 _register()
 _C.set_nccl_candidates(nccl_wheel_candidates())
+# [Note: the liveness lock] (csrc/common/liveness.h): a worker of resilient-run holds the lock
+# its node agent watches from the start; any other process takes one with its first TCP
+# communicator. A normal exit releases it, so that only a death is reported as one.
+if os.environ.get(_C.LIVENESS_SLOT_ENV):
+    _C.liveness_hold()
+atexit.register(_C.liveness_release)

@@ -7,10 +7,14 @@ either way nothing is sent and the group is untouched.
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 import torch.distributed as dist
 
 from resilient_comm import _C
+from resilient_comm.config import knob_int
 from resilient_comm.errors import CommError
 
 
@@ -76,3 +80,19 @@ def shm_peers(group: dist.ProcessGroup | None = None) -> list[int]:
 def tainted() -> str | None:
     """Why this process is tainted (an abort that did not return in time), or None."""
     return _C.tainted()
+
+
+def liveness_slot() -> tuple[int, dict[str, str]] | None:
+    """A liveness slot for a child process to hold ([Note: the liveness lock] in
+    csrc/common/liveness.h): its fd, to pass to the child (``pass_fds``), and the environment
+    that names it there. Watch it with ``_C.LivenessWatch(fd, child_pid)``, then close the fd.
+    None where RESILIENT_COMM_LIVENESS=0 turns the lock off, or the system offers no memfd
+    (logged; the child's death is then known from its exit)."""
+    if knob_int("RESILIENT_COMM_LIVENESS", 0) == 0:
+        return None
+    try:
+        fd = _C.liveness_slot()
+    except OSError as e:
+        logging.getLogger("resilient_comm").warning("no liveness slot: %s", e)
+        return None
+    return fd, {_C.LIVENESS_SLOT_ENV: f"{fd}:{os.fstat(fd).st_ino}"}

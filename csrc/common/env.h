@@ -17,6 +17,8 @@ namespace resilient_comm::env {
     "address this rank publishes for TCP connections (default: the host name's IPv4 address)")   \
   X(kShm, "RESILIENT_COMM_SHM", "1",                                                            \
     "0: same-host TCP peers move payloads through the socket, not shared memory")                \
+  X(kLiveness, "RESILIENT_COMM_LIVENESS", "1",                                                  \
+    "0: no liveness lock: a same-host peer's or a worker's death is known only once the kernel closed its files") \
   X(kTcpFullMesh, "RESILIENT_COMM_TCP_FULL_MESH", "64",                                       \
     "TCP groups of at most this many ranks connect every pair at init; larger ones connect on first use") \
   X(kChunkBytes, "RESILIENT_COMM_CHUNK_BYTES", "262144",                                         \

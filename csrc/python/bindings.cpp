@@ -6,6 +6,7 @@
 
 #include "backend/resilient_backend.h"
 #include "common/env.h"
+#include "common/liveness.h"
 #include "watchdog/reaper.h"
 #include "watchdog/watchdog.h"
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -25,6 +26,18 @@ using resilient_comm::BackendOptions;
 using resilient_comm::ResilientBackend;
 
 namespace {
+
+// A Result's value, or an OSError (a system call) / ValueError (bad input) with its message.
+template <typename T>
+T unwrap(resilient_comm::Result<T> r) {
+  if (!r.isOk()) {
+    if (r.status().code() == resilient_comm::StatusCode::kInvalidArgument) {
+      throw py::value_error(r.status().message());
+    }
+    throw std::system_error(std::error_code(EIO, std::generic_category()), r.status().message());
+  }
+  return r.take();
+}
 
 c10::intrusive_ptr<ResilientBackend> createBackend(const std::string& backendName,
                                                    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -116,6 +129,25 @@ PYBIND11_MODULE(_C, m) {
                                              : py::object(py::none());
   });
   m.def("watchdog_watching", [] { return resilient_comm::Watchdog::instance().watching(); });
+
+  // [Note: the liveness lock] (common/liveness.h), for resilient-run and the tests.
+  namespace live = resilient_comm::liveness;
+  m.attr("LIVENESS_SLOT_ENV") = live::kSlotEnv;
+  m.def("liveness_slot", [] { return unwrap(live::makeSlot()); });
+  m.def("liveness_hold", []() -> py::object {
+    const live::Held* h = live::hold();
+    return h == nullptr ? py::object(py::none()) : py::make_tuple(h->pid, h->fd, h->ino);
+  });
+  m.def("liveness_release", &live::release);
+  m.def("liveness_exiting", &live::exiting, py::arg("pid"));
+  py::class_<live::Watch, std::shared_ptr<live::Watch>>(m, "LivenessWatch")
+      .def(py::init([](int fd, int pid) { return unwrap(live::Watch::open(fd, pid)); }), py::arg("fd"),
+           py::arg("pid"))
+      .def("fileno", &live::Watch::fd)
+      .def_property_readonly("pid", &live::Watch::pid)
+      .def_property_readonly("verdict", [](const live::Watch& w) { return live::verdictName(w.verdict()); })
+      .def_property_readonly("noticed_ns", &live::Watch::noticedNs)
+      .def_property_readonly("why", &live::Watch::why);
 
   py::class_<ResilientBackend, c10d::Backend, c10::intrusive_ptr<ResilientBackend>>(m, "ResilientBackend")
       .def("abort_with_reason", &ResilientBackend::abortWithReason, py::arg("reason"),

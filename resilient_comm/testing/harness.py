@@ -23,6 +23,8 @@ from typing import Any, Self
 
 import torch.distributed as dist
 
+from resilient_comm import _C
+
 
 @dataclass
 class WorkerContext:
@@ -89,7 +91,9 @@ def _entry(fn: Callable[..., Any], ctx: WorkerContext, args: tuple, conn: Any, e
     finally:
         conn.close()
         # Skip interpreter teardown: a process group left with pending work must not make a
-        # finished worker linger.
+        # finished worker linger. A normal end, though: its peers must not see a death
+        # ([Note: the liveness lock]).
+        _C.liveness_release()
         os._exit(0)
 
 

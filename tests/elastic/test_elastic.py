@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from resilient_comm.elastic import EXIT_EVICTED, Decision, Membership
+from resilient_comm.elastic.node.launcher import DIED
 from resilient_comm.testing.harness import same_state
 from resilient_comm.testing.toy import ToyJob
 from resilient_comm.tools import chaos
@@ -83,7 +84,7 @@ def check_recovered(job: ToyJob, status: int, victims: list[int], recoveries: in
             assert steps == list(range(STEPS)), f"rank {r} committed {steps}"
     gone = Membership(job.launcher.client(), job.launcher.namespace).gone(victims)
     for v in victims:
-        assert gone[v].kind == "exit" and gone[v].detail == "killed by SIGKILL", gone[v]
+        assert gone[v].kind == "exit" and gone[v].detail == DIED, gone[v]
     return d
 
 
@@ -210,7 +211,7 @@ def test_a_worker_killed_after_its_last_vote_counted_leaves_a_finished_job_with_
     m = Membership(job.launcher.client(), job.launcher.namespace)
     assert m.finished() and m.epoch() == 1, "one recovery, in the last comparison; then finished"
     assert m.decision(1).members == [r for r in range(WORLD) if r != victim]
-    assert m.gone([victim])[victim].detail == "killed by SIGKILL"
+    assert m.gone([victim])[victim].detail == DIED
 
 
 @pytest.mark.timeout(120)

@@ -24,7 +24,8 @@ import pytest
 import torch.distributed as dist
 
 from resilient_comm.elastic import Launcher, Membership
-from resilient_comm.elastic.node.launcher import SHUTDOWN_BOUND_S
+from resilient_comm.elastic.node.launcher import DIED, SHUTDOWN_BOUND_S
+from resilient_comm.testing import wait_for
 
 LAUNCHER = [sys.executable, "-m", "resilient_comm.elastic"]
 
@@ -62,12 +63,16 @@ sys.exit(3 if os.environ["RANK"] == "2" else 0)
 
 
 @pytest.mark.timeout(60)
-def test_a_death_is_reported_at_once_and_the_survivors_are_left_running(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("lock", [False, True], ids=["plain", "liveness-lock"])
+def test_a_death_is_reported_at_once_and_the_survivors_are_left_running(tmp_path: pathlib.Path, lock: bool) -> None:
+    """A plain script's death is known from its pidfd; one that imported resilient_comm holds
+    its liveness lock, and its death is reported from that, before the kernel's teardown."""
     fifos = [tmp_path / f"go{r}" for r in range(3)]
     for fifo in fifos:
         os.mkfifo(fifo)
-    w = script(tmp_path, "w.py", f"""
+    w = script(tmp_path, "w.py", ("import resilient_comm\n" if lock else "") + f"""
 rank = os.environ["RANK"]
+open(os.path.join({str(tmp_path)!r}, "ready" + rank), "w").close()
 line = open(os.path.join({str(tmp_path)!r}, "go" + rank)).readline()  # blocks until the test writes
 open(os.path.join({str(tmp_path)!r}, "finished" + rank), "w").write(line)
 """)
@@ -78,13 +83,14 @@ open(os.path.join({str(tmp_path)!r}, "finished" + rank), "w").write(line)
     watcher.start()
     client = launcher.client()
     m = Membership(client, launcher.namespace)
+    wait_for(lambda: (tmp_path / "ready1").exists(), "rank 1 to start (and hold its lock)")
     os.kill(launcher.workers[1].proc.pid, signal.SIGKILL)
     killed = time.time()
     # The launcher records the death, then posts its event: wait for both.
     client.wait([m.key("gone", 1), m.key("events", 0)], datetime.timedelta(seconds=10))
     reported = time.time() - killed
     g = m.gone([1])[1]
-    assert (g.kind, g.detail, g.by) == ("exit", "killed by SIGKILL", "launcher"), g
+    assert (g.kind, g.detail, g.by) == ("exit", DIED if lock else "killed by SIGKILL", "launcher"), g
     assert 0 <= g.t - killed < 0.5 and reported < 1.0, f"reported {reported:.3f} s after the kill"
     assert m.event(0) == {"kind": "gone", "ranks": [1], "gone": [asdict(g)]}, "the event carries the evidence"
     assert all(launcher.workers[r].proc.poll() is None for r in (0, 2)), "a survivor was stopped"

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from resilient_comm.elastic import Decision, Membership, Mesh, plan
+from resilient_comm.elastic.node.launcher import DIED
 from resilient_comm.elastic.state.transfer import StateSyncError, digest, pack, unpack
 from resilient_comm.testing import wait_for
 from resilient_comm.testing.toy import ToyJob
@@ -185,7 +186,7 @@ def test_a_spare_dying_while_waiting_is_replaced_and_disturbs_nobody(tmp_path: A
     finally:
         store.set(f"toy/go/{hold}", "1")
     assert job.wait(120) == 0
-    assert m.gone([WORLD])[WORLD].detail == "killed by SIGKILL"
+    assert m.gone([WORLD])[WORLD].detail == DIED
     assert [d.mode for d in decisions(job)] == ["init"], "the spare's death started a recovery"
     for r in range(WORLD):
         f = final(job, r)

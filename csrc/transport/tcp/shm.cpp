@@ -21,7 +21,7 @@ namespace resilient_comm::tcp {
 
 namespace {
 
-constexpr uint32_t kOfferMagic = 0x52434d53;  // "RCMS"
+constexpr uint32_t kOfferMagic = 0x52434d32;  // "RCM2" (with the liveness lock)
 constexpr uint64_t kRingMagic = 0x52434d52494e4731ULL;
 constexpr size_t kDataOffset = 4096;
 // Up to 8 MiB per direction, and in all at most ~64 MiB of rings per process in a large group
@@ -73,7 +73,7 @@ struct ShmLink::Ring {
   }
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "ring counters are shared between processes");
-static_assert(sizeof(ShmLink::Offer) == 96, "the offer is part of the wire format");
+static_assert(sizeof(ShmLink::Offer) == 112, "the offer is part of the wire format");
 
 bool shmEnabled() {
   return env::getInt(env::Knob::kShm) != 0;
@@ -160,6 +160,12 @@ ShmLink::Offer ShmLink::refusal() {
   o.magic = kOfferMagic;
   std::memcpy(o.bootId, bootId().data(), bootId().size());
   o.netns = netNamespace();
+  o.liveFd = -1;
+  if (const liveness::Held* me = liveness::hold()) {
+    o.livePid = me->pid;
+    o.liveFd = me->fd;
+    o.liveIno = me->ino;
+  }
   return o;
 }
 
@@ -394,6 +400,17 @@ Status negotiateShm(std::vector<Peer>& peers, const std::vector<int>& fresh, std
     RC_RETURN_IF_ERROR(readFrame(peers[p.peer], p.peer, MsgKind::kShmOffer, &h, dl, abort));
     RC_RETURN_IF_ERROR(readAll(peers[p.peer].sock, &o, sizeof(o), dl, abort));
     o.bootId[sizeof(o.bootId) - 1] = '\0';
+    const bool sameHost = o.magic == kOfferMagic && !bootId().empty() && bootId() == o.bootId &&
+                          o.netns == netNamespace();
+    if (sameHost && o.liveFd >= 0 && o.livePid > 0) {
+      auto w = liveness::watchPeer(o.livePid, o.liveFd, o.liveIno);
+      if (w.isOk()) {
+        std::lock_guard<std::mutex> lock(mu);
+        peers[p.peer].live = w.take();
+      } else {
+        RC_LOG(kInfo, "not watching rank " << p.peer << "'s liveness lock: " << w.status().message());
+      }
+    }
     p.verdicts = p.link != nullptr && o.magic == kOfferMagic && o.willing == 1 && bootId() == o.bootId &&
                  o.netns == netNamespace();
     if (p.verdicts) {

@@ -30,7 +30,10 @@
 // The pair's rings are set up once per fresh connection made by a communicator's build
 // (negotiateShm), right after its Hello: both ends send an offer; if both are willing (no
 // RESILIENT_COMM_SHM=0) and on the same host, each attaches to the other's files and says
-// whether it could; the rings are used only if both could. Connections made on first use by
+// whether it could; the rings are used only if both could. The offer also names the sender's
+// liveness lock ([Note: the liveness lock]): a same-host peer watches it, and an op that waits
+// on a peer whose lock the kernel released fails at once (Peer::live, transfer.cpp), before
+// the dead process's sockets close. Connections made on first use by
 // an op (groups above RESILIENT_COMM_TCP_FULL_MESH, mesh.h) stay TCP-only.
 #pragma once
 
@@ -45,6 +48,7 @@
 
 #include "common/abort_token.h"
 #include "common/deadline.h"
+#include "common/liveness.h"
 #include "common/status.h"
 
 namespace resilient_comm::tcp {
@@ -83,6 +87,11 @@ class ShmLink {
     uint64_t bellIno;
     uint64_t capacity;
     uint64_t cookie;
+    // The sender's liveness lock (common/liveness.h): /proc/<livePid>/fd/<liveFd>, inode
+    // liveIno; liveFd -1 when it holds none. Offered whether or not it is willing to share rings.
+    int32_t livePid;
+    int32_t liveFd;
+    uint64_t liveIno;
   };
 
   ~ShmLink();

@@ -33,7 +33,12 @@ constexpr std::chrono::milliseconds kWatchFencedAfter{1};
 // kProbeEvery): one that died is a PeerFailure at once rather than at the deadline.
 constexpr std::chrono::milliseconds kProbeAfter{100};
 constexpr std::chrono::milliseconds kProbeEvery{500};
-// In run()'s poll set, the doorbell of peer p's rings is tagged kBellOf - p.
+// In run()'s poll set, the doorbell of peer p's rings is tagged kBellOf - p, its liveness lock
+// deathOf(p), below them.
+// What a peer sent before it died (or before it left with _exit, its part done) still counts:
+// an op that needs a peer whose liveness lock says it died reads what arrives for this long
+// (loopback delivery can be deferred to ksoftirqd) before it fails.
+constexpr std::chrono::milliseconds kDeathGrace{1};
 constexpr int kBellOf = -3;
 
 std::string describeHeader(const WireHeader& h) {
@@ -66,6 +71,7 @@ Transfer::Transfer(std::vector<Peer>& peers, int self, const MsgMeta& meta, cons
       abort_(abort),
       q_(peers.size()),
       ignoreInput_(peers.size(), false),
+      deathGrace_(peers.size(), Deadline::never()),
       links_(links),
       probeAt_(Deadline::after(kProbeAfter)) {}
 
@@ -119,6 +125,26 @@ void Transfer::recvP2P(int peer, void* buf, size_t bytes, uint64_t seq, uint64_t
 
 void Transfer::recvAny(void* buf, size_t bytes, uint64_t tag, std::vector<uint64_t>& seqs, int* source) {
   any_ = AnyRecv{true, static_cast<char*>(buf), bytes, tag, &seqs, source};
+}
+
+Status Transfer::peerAlive(int peer, Deadline* soonest) {
+  const liveness::Watch& live = *peers_[peer].live;
+  if (live.verdict() != liveness::Verdict::kDied) {
+    return Status::ok();
+  }
+  if (deathGrace_[peer].isNever()) {
+    deathGrace_[peer] = Deadline::after(kDeathGrace);
+  }
+  if (!deathGrace_[peer].passed()) {
+    *soonest = soonest->earliest(deathGrace_[peer]);
+    return Status::ok();
+  }
+  return Status(StatusCode::kPeerFailure, "rank " + std::to_string(peer) + " died while rank " +
+                                              std::to_string(self_) + " waited on it (" + live.why() + ")");
+}
+
+int Transfer::deathOf(int peer) const {
+  return kBellOf - static_cast<int>(peers_.size()) - peer;  // below every doorbell's tag
 }
 
 Status Transfer::anyPeersLeft() const {
@@ -608,6 +634,7 @@ Status Transfer::run() {
       fds.clear();
       who.clear();
       bool deferred = false;  // a fenced peer left unwatched for now
+      Deadline grace = Deadline::never();  // the soonest end of a dead peer's grace
       for (size_t p = 0; p < peers_.size(); ++p) {
         if (static_cast<int>(p) == self_ || !peers_[p].sock.valid()) {
           continue;
@@ -636,6 +663,14 @@ Status Transfer::run() {
         }
         fds.push_back(pollfd{peers_[p].sock.fd(), static_cast<short>(ev | POLLRDHUP), 0});
         who.push_back(static_cast<int>(p));
+        if (peers_[p].live != nullptr && (!q.sends.empty() || !q.recvs.empty())) {
+          // A same-host peer this op needs: its death is known before its socket closes.
+          RC_RETURN_IF_ERROR(peerAlive(static_cast<int>(p), &grace));
+          if (peers_[p].live->verdict() == liveness::Verdict::kWatching) {
+            fds.push_back(pollfd{peers_[p].live->fd(), POLLIN, 0});
+            who.push_back(deathOf(static_cast<int>(p)));
+          }
+        }
         if (sendRing || recvRing) {
           fds.push_back(pollfd{peers_[p].shm->bellFd(), POLLIN, 0});
           who.push_back(kBellOf - static_cast<int>(p));
@@ -653,7 +688,8 @@ Status Transfer::run() {
         // wait for a connection: both are polled for.
         cap = links_->helloPending() ? 1 : waiting ? 10 : cap;
       }
-      int rc = ::poll(fds.data(), fds.size(), (deferred ? watchFenced.earliest(dl_) : dl_).remainingMs(cap));
+      int rc = ::poll(fds.data(), fds.size(),
+                      (deferred ? watchFenced.earliest(dl_) : dl_).earliest(grace).remainingMs(cap));
       bool listenerReady = false;
       if (rc < 0) {
         if (errno == EINTR) {
@@ -670,6 +706,9 @@ Status Transfer::run() {
         if (p == -2) {
           listenerReady = true;  // pumped below
           continue;
+        }
+        if (p <= deathOf(0)) {
+          continue;  // a same-host peer's liveness lock has its verdict: the next turn reads it
         }
         if (p <= kBellOf) {  // a peer moved its ring or ours
           p = kBellOf - p;

@@ -102,6 +102,9 @@ struct Peer {
   // A same-host peer's shared-memory rings (shm.h), set up with the connection; large
   // payloads go through them. Null: everything goes through the socket.
   std::shared_ptr<ShmLink> shm;
+  // A same-host peer's liveness lock, watched ([Note: the liveness lock]): an op that needs the
+  // peer fails as soon as the kernel released it. Null: the socket's hang-up is the sign.
+  std::shared_ptr<liveness::Watch> live;
   // [Note: link rates]: the large frames received through the socket, by rate.
   RateHistogram rxRates;
 };
@@ -218,6 +221,11 @@ class Transfer {
   Status peekUnexpected(int peer);
   // An open recvAny() and every peer gone: the failure, else Ok.
   Status anyPeersLeft() const;
+  // A PeerFailure once the liveness lock of same-host `peer` (Peer::live) said it died and
+  // kDeathGrace passed; meanwhile `*soonest` is lowered to the grace's end.
+  Status peerAlive(int peer, Deadline* soonest);
+  // In run()'s poll set, the tag of `peer`'s liveness lock.
+  int deathOf(int peer) const;
   Status progressFence(int peer);
   Status readMore(int peer, RecvItem& item, bool* blocked);
   // Marks dirty every peer whose stream this op left in the middle of a frame: the ones we
@@ -238,6 +246,7 @@ class Transfer {
   std::vector<Queues> q_;
   AnyRecv any_;
   std::vector<bool> ignoreInput_;  // a later op's message is waiting: stop peeking
+  std::vector<Deadline> deathGrace_;  // per peer: never, or the end of its grace once it died
   Links* links_;
   // When to next probe the higher ranks this op waits to hear a Hello from (Links::probe).
   Deadline probeAt_;

@@ -12,8 +12,12 @@ What it does, and how it differs from torchrun:
   that store, TORCHELASTIC_USE_AGENT_STORE=True, TORCHELASTIC_RESTART_COUNT, ...) plus
   ``RESILIENT_COMM_STORE`` (host:port) and ``RESILIENT_COMM_NAMESPACE`` (the key prefix of
   this run and generation), which `resilient_comm.elastic.Controller` reads.
-- **Reports a worker's exit at once**: it waits on the workers' pidfds and, the moment one
-  ends, records it under ``{ns}/gone/{rank}`` with an event that every node's agent forwards.
+- **Reports a worker's death at once**: each worker holds a liveness lock the launcher hands
+  it (``RESILIENT_COMM_LIVENESS_SLOT``; [Note: the liveness lock]), which the kernel releases
+  early in the dying process's exit, tens of ms before its pidfd fires; the launcher records
+  the death under ``{ns}/gone/{rank}`` with an event that every node's agent forwards, and logs
+  the exit status when the pidfd fires. A worker that holds no lock (a plain script that never
+  imported resilient_comm) is reported from its pidfd.
 - **Is the node's agent** (`resilient_comm.elastic.node.agent.NodeAgent`): workers beat to it over
   a Unix socket (``RESILIENT_COMM_AGENT``); it judges them, writes one liveness record for the
   node, watches the next node's record, and forwards events to its workers.
@@ -87,6 +91,8 @@ from typing import IO
 
 import torch.distributed as dist
 
+from resilient_comm import _C
+from resilient_comm.api import liveness_slot
 from resilient_comm.elastic.membership.protocol import Membership
 from resilient_comm.elastic.model.env import (
     ENV_AGENT,
@@ -116,6 +122,9 @@ LEAVE_GRACE_S = 5.0
 
 log = logging.getLogger("resilient_comm.launcher")
 
+# The detail of a death reported from the worker's liveness lock (its status is not known yet).
+DIED = "died (its liveness lock; the exit status follows)"
+
 
 @dataclass
 class Worker:
@@ -130,6 +139,10 @@ class Worker:
     status: int | None = None  # shell-style: code, or 128+signal
     spare: bool = False  # started as a hot spare
     local_rank: int = 0
+    # Its liveness lock, watched (None: not watched, or no longer); and when its death was
+    # reported from it, before the kernel's teardown let the pidfd fire.
+    live: _C.LivenessWatch | None = None
+    died_at: float | None = None
 
     @classmethod
     def start(
@@ -146,10 +159,20 @@ class Worker:
         if log_path:
             os.makedirs(os.path.dirname(log_path), exist_ok=True)
             out = open(log_path, "wb")  # noqa: SIM115 (closed by `reap`)
+        slot = liveness_slot()
         proc = subprocess.Popen(
-            cmd, env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT if out else None
+            cmd,
+            env=env | (slot[1] if slot else {}),
+            start_new_session=True,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            pass_fds=(slot[0],) if slot else (),
         )
-        return cls(rank, proc, os.pidfd_open(proc.pid), out, spare=spare, local_rank=local_rank)
+        live = None
+        if slot:
+            live = _C.LivenessWatch(slot[0], proc.pid)
+            os.close(slot[0])
+        return cls(rank, proc, os.pidfd_open(proc.pid), out, spare=spare, local_rank=local_rank, live=live)
 
     def send(self, sig: int) -> None:
         """`sig` to the process, if it still runs."""
@@ -356,6 +379,8 @@ class Launcher:
         w = Worker.start(self.cmd, self._env(rank, local_rank, spare), rank, local_rank, spare, log_path)
         self._agent().add(rank, w.proc.pid)
         self._sel.register(w.pidfd, selectors.EVENT_READ, lambda: self._reap(w))
+        if w.live is not None:
+            self._sel.register(w.live.fileno(), selectors.EVENT_READ, lambda: self._noticed(w))
         self.workers.append(w)
         return w
 
@@ -451,13 +476,56 @@ class Launcher:
     def _signal_name(self) -> str:
         return signal.Signals(self._last_signal).name if self._last_signal else "a signal"
 
+    def _noticed(self, w: Worker) -> None:
+        """`w`'s liveness lock has its verdict ([Note: the liveness lock]): a death is reported
+        now, tens of ms before the kernel's teardown of the process lets its pidfd fire (the
+        exit status is logged then); a normal exit or an exec waits for the pidfd as before."""
+        live = self._unwatch(w)
+        if live is None or live.verdict != "died" or self._shutting_down or self._ending or self._cut_off():
+            return  # (a shutdown's ends, a spare no longer needed: reported, or not, at their exit)
+        t, at = now(), time.monotonic()
+        self._agent().exited(w.rank)
+        if self._report_end(w, DIED, t):
+            w.died_at = at
+
+    def _unwatch(self, w: Worker) -> _C.LivenessWatch | None:
+        live, w.live = w.live, None
+        if live is not None:
+            self._sel.unregister(live.fileno())
+        return live
+
     def _reap(self, w: Worker) -> None:
         self._sel.unregister(w.pidfd)
+        self._unwatch(w)
         returncode = w.reap()
         t = now()
         self._reaped = True
         self._agent().exited(w.rank)
         what = describe_status(returncode)
+        if w.died_at is not None:
+            log.info(
+                "%s %d (pid %d): %s, %.1f ms after its death was reported from its liveness lock",
+                "spare" if w.spare else "worker",
+                w.rank,
+                w.proc.pid,
+                what,
+                1e3 * (time.monotonic() - w.died_at),
+            )
+        elif not self._report_end(w, what, t):
+            return
+        if (
+            self.spares
+            and not self._shutting_down
+            and w.status not in (0, EXIT_EVICTED)
+            and not self._ending
+            and (self.max_spare_starts is None or self.spare_starts < self.spares + self.max_spare_starts)
+        ):
+            self._start_spare(w.local_rank)  # the pool stays full; it takes the freed device
+
+    def _report_end(self, w: Worker, what: str, t: float) -> bool:
+        """Reports `w`'s end to the membership (`what`: how it ended); whether it was reported
+        as a running member's end (not during a shutdown, not a spare no longer needed, nor by a
+        node cut off from the store)."""
         if self._shutting_down:
             # A planned departure: the others learn it now instead of waiting out this node's
             # lease (and when every node is being cancelled, nobody waits for anything).
@@ -475,13 +543,13 @@ class Launcher:
                     )
                 except dist.DistError as e:
                     log.warning("worker %d: could not report its end: the store failed (%s)", w.rank, e)
-            return
+            return False
         if self._ending and w.spare:
             log.info("spare %d (pid %d) ended: %s", w.rank, w.proc.pid, what)
-            return
+            return False
         if self._cut_off():
             log.warning("worker %d (pid %d): %s; not reported: %s", w.rank, w.proc.pid, what, self._cut_off())
-            return
+            return False
         try:
             self.membership().report_gone(Gone(w.rank, "exit", what, t, "launcher"))
         except dist.DistError as e:
@@ -492,23 +560,16 @@ class Launcher:
                 what,
                 e,
             )
-            return
-        level = logging.INFO if returncode == 0 else logging.WARNING
+            return False
         log.log(
-            level,
+            logging.INFO if w.status == 0 else logging.WARNING,
             "%s %d (pid %d): %s; reported to the membership",
             "spare" if w.spare else "worker",
             w.rank,
             w.proc.pid,
             what,
         )
-        if (
-            self.spares
-            and w.status not in (0, EXIT_EVICTED)
-            and not self._ending
-            and (self.max_spare_starts is None or self.spare_starts < self.spares + self.max_spare_starts)
-        ):
-            self._start_spare(w.local_rank)  # the pool stays full; it takes the freed device
+        return True
 
     def _stop_idle_spares(self) -> None:
         """Once every worker (and placed spare) has ended, the waiting spares are not needed. A

@@ -146,7 +146,11 @@ def _from_timelines(run: Run, fault_t: float, events: list[dict[str, Any]]) -> N
     run.redone = last + 2 - run.resume_step
 
 
-def run_ours(nproc: int, rep: int, s: Settings, root: str, sigstop: bool = False, spares: int = 0) -> Run:
+def run_ours(
+    nproc: int, rep: int, s: Settings, root: str, sigstop: bool = False, spares: int = 0, lock: bool = True
+) -> Run:
+    """`lock`: False runs the workers with RESILIENT_COMM_LIVENESS=0 (system "ours-no-lock"):
+    a death is known only once the kernel's teardown closed the process's files."""
     from resilient_comm.elastic.membership.protocol import Membership
 
     workdir = tempfile.mkdtemp(prefix=f"ours{nproc}-{rep}-", dir=root)
@@ -155,8 +159,10 @@ def run_ours(nproc: int, rep: int, s: Settings, root: str, sigstop: bool = False
     hold = s.kill_step - 1
     if spares:
         fault += ["--hold", f"0:{hold}"]  # the spares register before the kill (they start in ~1-2 s)
-    job = ToyJob(nproc, [*s.toy_args(workdir), *fault], workdir, quiet=True, spares=spares).start()
-    run = Run("ours-sigstop" if sigstop else "ours-spare" if spares else "ours", nproc, rep, False)
+    env = {} if lock else {"RESILIENT_COMM_LIVENESS": "0"}
+    job = ToyJob(nproc, [*s.toy_args(workdir), *fault], workdir, quiet=True, spares=spares, env=env).start()
+    system = "ours-sigstop" if sigstop else "ours-spare" if spares else "ours" if lock else "ours-no-lock"
+    run = Run(system, nproc, rep, False)
     if spares:
         client = job.launcher.client()
         m = Membership(client, job.launcher.namespace)
@@ -395,7 +401,9 @@ def report(runs: list[Run]) -> tuple[str, list[str]]:
         )
     ours = [r for r in runs if r.system == "ours"]
     lines.append("")
-    for system, n in sorted({(r.system, r.nproc) for r in runs if r.system in ("ours", "ours-spare")}):
+    for system, n in sorted(
+        {(r.system, r.nproc) for r in runs if r.system in ("ours", "ours-no-lock", "ours-spare")}
+    ):
         rs = [r for r in runs if r.system == system and r.nproc == n and r.phases_ms]
         if rs:
             lines.append(
@@ -491,6 +499,11 @@ def main(argv: list[str] | None = None) -> int:
         help="also runs with K hot spares (system ours-spare); with --spares-only, only those",
     )
     p.add_argument("--spares-only", action="store_true", help="only the hot-spare runs")
+    p.add_argument(
+        "--no-lock-baseline",
+        action="store_true",
+        help="also runs ours with RESILIENT_COMM_LIVENESS=0 (system ours-no-lock), interleaved",
+    )
     p.add_argument("--features", type=int, default=16, help="toy model input width (default 16)")
     p.add_argument("--hidden", type=int, default=32, help="toy model hidden width (default 32)")
     p.add_argument("--dtype", default="float64", choices=("float64", "float32"), help="toy model dtype")
@@ -520,9 +533,13 @@ def main(argv: list[str] | None = None) -> int:
                     order += scripts if rep % 2 == 0 else scripts[::-1]
                 if a.spares:
                     order = ["ours-spare"] if a.spares_only else [*order, "ours-spare"]
+                if a.no_lock_baseline:
+                    order.insert(rep % 2, "ours-no-lock")
                 for system in order:
                     if system == "ours":
                         runs.append(run_ours(n, rep, s, root))
+                    elif system == "ours-no-lock":
+                        runs.append(run_ours(n, rep, s, root, lock=False))
                     elif system == "ours-spare":
                         runs.append(run_ours(n, rep, s, root, spares=a.spares))
                     elif system in ("in-process-restart", "max-restarts"):
