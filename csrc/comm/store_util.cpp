@@ -27,6 +27,10 @@ Status storeSet(const StorePtr& store, const std::string& key, const std::string
   return guarded("set", [&] { store->set(key, std::vector<uint8_t>(value.begin(), value.end())); });
 }
 
+Status storeAppend(const StorePtr& store, const std::string& key, const std::string& value) {
+  return guarded("append", [&] { store->append(key, std::vector<uint8_t>(value.begin(), value.end())); });
+}
+
 Result<int64_t> storeAdd(const StorePtr& store, const std::string& key, int64_t delta) {
   int64_t out = 0;
   RC_RETURN_IF_ERROR(guarded("add", [&] { out = store->add(key, delta); }));

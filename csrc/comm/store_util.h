@@ -20,6 +20,8 @@ namespace resilient_comm {
 using StorePtr = c10::intrusive_ptr<c10d::Store>;
 
 Status storeSet(const StorePtr& store, const std::string& key, const std::string& value);
+// Appends to `key`'s value (made if missing): several writers, one key.
+Status storeAppend(const StorePtr& store, const std::string& key, const std::string& value);
 Result<int64_t> storeAdd(const StorePtr& store, const std::string& key, int64_t delta);
 // Whether `key` exists, without waiting.
 Result<bool> storeCheck(const StorePtr& store, const std::string& key);

@@ -9,7 +9,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <climits>
+#include <cstdio>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -461,6 +463,78 @@ bool exiting(int pid) {
     }
   }
   return false;
+}
+
+const std::string& bootId() {
+  static const std::string id = [] {
+    std::ifstream f("/proc/sys/kernel/random/boot_id");
+    std::string s;
+    std::getline(f, s);
+    return s.size() <= 36 ? s : std::string();  // a UUID
+  }();
+  return id;
+}
+
+uint32_t netNamespace() {
+  static const uint32_t ns = [] {
+    struct stat st {};
+    return ::stat("/proc/self/ns/net", &st) == 0 ? static_cast<uint32_t>(st.st_ino) : 0U;
+  }();
+  return ns;
+}
+
+std::string hostTag() {
+  return bootId().empty() ? std::string() : bootId() + "." + std::to_string(netNamespace());
+}
+
+std::string entry(int rank) {
+  const Held* me = hold();
+  if (me == nullptr) {
+    return "";
+  }
+  return std::to_string(rank) + ":" + std::to_string(me->pid) + ":" + std::to_string(me->fd) + ":" +
+         std::to_string(me->ino) + ";";
+}
+
+Members parse(const std::string& value, int self, int size) {
+  Members m;
+  m.byRank.resize(static_cast<size_t>(std::max(size, 0)));
+  std::istringstream in(value);
+  std::string item;
+  while (std::getline(in, item, ';')) {
+    int rank = -1;
+    int pid = 0;
+    int fd = -1;
+    unsigned long long ino = 0;
+    if (std::sscanf(item.c_str(), "%d:%d:%d:%llu", &rank, &pid, &fd, &ino) != 4 || rank < 0 || rank >= size ||
+        rank == self || pid <= 0 || fd < 0) {
+      continue;  // malformed, or ours: not watched (the transport's own signs still hold)
+    }
+    auto w = watchPeer(pid, fd, ino);
+    if (w.isOk()) {
+      m.byRank[static_cast<size_t>(rank)] = w.take();
+    } else {
+      RC_LOG(kInfo, "not watching rank " << rank << "'s liveness lock: " << w.status().message());
+    }
+  }
+  return m;
+}
+
+int Members::died() const {
+  for (size_t r = 0; r < byRank.size(); ++r) {
+    if (byRank[r] != nullptr && byRank[r]->verdict() == Verdict::kDied) {
+      return static_cast<int>(r);
+    }
+  }
+  return -1;
+}
+
+Members Members::subset(const std::vector<int>& members) const {
+  Members m;
+  for (int r : members) {
+    m.byRank.push_back(r >= 0 && static_cast<size_t>(r) < byRank.size() ? byRank[static_cast<size_t>(r)] : nullptr);
+  }
+  return m;
 }
 
 }  // namespace resilient_comm::liveness

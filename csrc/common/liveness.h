@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 
@@ -100,5 +101,26 @@ Result<std::shared_ptr<Watch>> watchPeer(int pid, int fd, uint64_t ino);
 
 // Whether process `pid` is exiting or gone, by /proc (see the note).
 bool exiting(int pid);
+
+// This host's boot id ("" if unknown) and this process's network namespace (its inode; 0 if
+// unknown). Two processes are on one host for the lock (and the TCP transport's rings) when
+// both match: a namespace stands for a host of its own (containers, the tests' "nodes").
+const std::string& bootId();
+uint32_t netNamespace();
+
+// The watched locks of a communicator's same-host members, by rank (null: another host, no
+// lock, or this process), for transports that exchange them through a store (NCCL): each
+// member appends its entry() to the key named by hostTag() before the communicator's init;
+// once the init completed every member had, and parse() reads the key.
+struct Members {
+  std::vector<std::shared_ptr<Watch>> byRank;
+  // The first member whose lock says it died, or -1.
+  int died() const;
+  // Those of a communicator derived from this one whose rank i is `members[i]` here.
+  Members subset(const std::vector<int>& members) const;
+};
+std::string hostTag();  // "" when the host cannot be told
+std::string entry(int rank);  // "" without a lock
+Members parse(const std::string& value, int self, int size);
 
 }  // namespace resilient_comm::liveness

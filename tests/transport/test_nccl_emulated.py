@@ -65,14 +65,19 @@ def _loop_then_shrink(ctx: WorkerContext, victim: int, env: dict, op_timeout_s: 
     [
         "remote-error-2.30",  # revoke, then ncclCommShrink(NCCL_SHRINK_DEFAULT)
         "remote-error-2.27",  # ncclCommShrink(NCCL_SHRINK_ABORT)
-        "hang-2.30",          # no async error: the op deadline (1.5 s) ends the wait
+        # No async error (intra-node transports report nothing): the dead member's liveness
+        # lock ends the wait at once (the op timeout is 30 min) ...
+        "hang-2.30",
+        # ... and where there is no lock to watch (another host), the op deadline (1.5 s).
+        "hang-nolock-2.30",
     ],
 )
 def test_sigkill_mid_loop_every_survivor_errors_fast_and_shrinks(case: str) -> None:
     mode, version = case.rsplit("-", 1)
     env = {"RESILIENT_COMM_NCCL_EMULATE_VERSION": version + ".0" if version == "2.30" else "2.27.3",
-           "RESILIENT_COMM_NCCL_EMULATE_PEER_DEATH": "hang" if mode == "hang" else "error"}
-    op_timeout = 1.5 if mode == "hang" else 30.0
+           "RESILIENT_COMM_NCCL_EMULATE_PEER_DEATH": "hang" if mode.startswith("hang") else "error",
+           "RESILIENT_COMM_LIVENESS": "0" if mode == "hang-nolock" else "1"}
+    op_timeout = 1.5 if mode == "hang-nolock" else 1800.0
     world, victim = 4, 2
     with start_workers(_loop_then_shrink, world, victim, env, op_timeout, timeout_s=60) as w:
         w.wait_ranks("looping")
@@ -86,8 +91,12 @@ def test_sigkill_mid_loop_every_survivor_errors_fast_and_shrinks(case: str) -> N
         v = r.value
         delay = v["failed_at"] - killed_at
         assert delay < DETECT_BOUND_S, f"rank {r.rank} noticed the kill after {delay:.2f} s: {v['error']}"
-        want = "CommTimeoutError: Timeout" if mode == "hang" else "PeerFailureError: PeerFailure"
+        want = "CommTimeoutError: Timeout" if mode == "hang-nolock" else "PeerFailureError: PeerFailure"
         assert v["error"].startswith(want + ": resilient_nccl all_reduce #"), v["error"]
+        if mode == "hang":
+            assert f"rank {victim} died while an op of group" in v["error"], v["error"]
+            assert delay < 0.5, f"rank {r.rank}: the lock's notice took {delay:.3f} s"
+
         assert v["errored"] != "None", "errored() does not see the NCCL communicator's failure"
         assert v["get_error"] != "ErrorType.SUCCESS", f"the backend's get_error() says {v['get_error']}"
         assert v["sum"] == expected, f"rank {r.rank}: the shrunk group computed {v['sum']}"

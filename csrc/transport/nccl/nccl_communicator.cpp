@@ -11,6 +11,7 @@
 #include "comm/bootstrap_id.h"
 #include "comm/store_util.h"
 #include "common/check.h"
+#include "common/liveness.h"
 #include "common/logging.h"
 #include "watchdog/reaper.h"
 
@@ -182,6 +183,13 @@ Status NcclCommunicator::initWithId(const std::string& key, const Deadline& dl) 
         "ncclCommInitRankConfig",
         [&](ncclComm_t) { return api_->commInitRankConfig(handle_->slot(), opts_.size, id, opts_.rank, &cfg); }, dl);
   }
+  // [Note: the liveness lock]: this member's lock goes under its host's key before its init;
+  // once the init completed, every member's is there (ready() reads them).
+  const std::string tag = liveness::hostTag();
+  const std::string mine = liveness::entry(opts_.rank);
+  if (!tag.empty() && !mine.empty() && storeAppend(opts_.store, key + "/live/" + tag, mine).isOk()) {
+    liveKey_ = key + "/live/" + tag;
+  }
   RC_RETURN_IF_ERROR(exchangeId(
       opts_.store, key, opts_.rank == 0,
       [&](void* out) { return mapError("ncclGetUniqueId", api_->getUniqueId(static_cast<ncclUniqueId*>(out))); },
@@ -190,6 +198,35 @@ Status NcclCommunicator::initWithId(const std::string& key, const Deadline& dl) 
   return call(
       "ncclCommInitRankConfig",
       [&](ncclComm_t) { return api_->commInitRankConfig(handle_->slot(), opts_.size, id, opts_.rank, &cfg); }, dl);
+}
+
+void NcclCommunicator::watchMembers() {
+  if (liveKey_.empty()) {
+    return;
+  }
+  std::vector<std::string> v;
+  AbortToken none;
+  auto r = storeFetch(opts_.store, {liveKey_}, Deadline::after(std::chrono::milliseconds(1000)), none);
+  liveKey_.clear();
+  if (r.isOk()) {
+    live_ = liveness::parse(r.value()[0], opts_.rank, opts_.size);
+  }
+}
+
+Status NcclCommunicator::membersAlive(bool busy) {
+  const int dead = live_.died();
+  if (dead < 0 || !busy) {
+    deathGrace_ = Deadline::never();
+    return Status::ok();
+  }
+  if (deathGrace_.isNever()) {
+    deathGrace_ = Deadline::after(std::chrono::milliseconds(1));  // what it finished still completes
+  }
+  if (!deathGrace_.passed()) {
+    return Status::ok();
+  }
+  return Status(StatusCode::kPeerFailure, "rank " + std::to_string(dead) + " died while an op of group '" +
+                                              opts_.name + "' waited on it (" + live_.byRank[dead]->why() + ")");
 }
 
 void NcclCommunicator::start(Plan plan, const Deadline& dl, std::function<void()> whenDone) {
@@ -205,6 +242,9 @@ void NcclCommunicator::start(Plan plan, const Deadline& dl, std::function<void()
       }
       if (st.isOk() && self->handle_->comm() == nullptr) {
         st = Status(StatusCode::kInternal, "NCCL settled the init without writing a communicator");
+      }
+      if (st.isOk()) {
+        self->watchMembers();
       }
     }
     if (self->finishInit(st) && !st.isOk()) {
@@ -389,8 +429,10 @@ bool NcclCommunicator::watchdogPoll() {
     }
   }
   if (state() == CommState::kReady) {
+    bool busy = false;
     for (auto& op : ops) {
       Status st = op->poll();
+      busy = busy || st.code() == StatusCode::kInProgress;
       if (st.code() == StatusCode::kInProgress && op->deadline().passed()) {
         (void)fail(Status(StatusCode::kTimeout, op->what() + " did not complete on the device before its deadline"));
         break;
@@ -399,6 +441,12 @@ bool NcclCommunicator::watchdogPoll() {
         (void)fail(st);  // a device error
         break;
       }
+    }
+    // A same-host member whose lock the kernel released: its peers' kernels would wait for it
+    // until the deadline (NCCL's intra-node transports see no hang-up).
+    Status alive = state() == CommState::kReady ? membersAlive(busy) : Status::ok();
+    if (!alive.isOk()) {
+      (void)fail(alive);
     }
   }
   if (state() != CommState::kReady && state() != CommState::kInitializing) {

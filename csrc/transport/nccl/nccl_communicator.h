@@ -54,6 +54,7 @@
 #include "comm/comm_lifecycle.h"
 #include "comm/communicator.h"
 #include "common/abort_token.h"
+#include "common/liveness.h"
 #include "device/stream_ops.h"
 #include "transport/nccl/nccl_api.h"
 #include "transport/nccl/nccl_handle.h"
@@ -193,6 +194,16 @@ class NcclCommunicator : public CommLifecycle, public Polled, public std::enable
   // One launch at a time (threads may issue ops on one group, as with ProcessGroupNCCL; NCCL
   // forbids concurrent calls on a communicator). The state below belongs to the launch in
   // progress, on the thread that holds launchMu_ (launchingHere()).
+  // Same-host members' liveness locks ([Note: the liveness lock]): the host key written by
+  // initWithId, read once the init completed (watchMembers); a native shrink's or grow's child
+  // takes its members' from the parent. Read by the watchdog's thread only after that.
+  void watchMembers();
+  // A PeerFailure once an op is in flight and a member's lock said it died 1 ms ago.
+  Status membersAlive(bool busy);
+  std::string liveKey_;
+  liveness::Members live_;
+  Deadline deathGrace_ = Deadline::never();
+
   std::mutex launchMu_;
   bool groupOpen_ = false;
   std::vector<std::function<void()>> afterGroup_;

@@ -81,6 +81,7 @@ Result<std::shared_ptr<Communicator>> NcclCommunicator::shrink(const std::vector
   }
   std::shared_ptr<NcclCommunicator> child;
   RC_ASSIGN_OR_RETURN(child, makeChild(plan.newRank, plan.newSize, prefix, opts_.store));
+  child->live_ = live_.subset(plan.survivors);
   AbortToken none;  // this communicator's own token fired when it failed; its shrink goes ahead
   Status st = Status::ok();
   if (failed && features_.revoke) {  // (the watchdog may have revoked it already: then a no-op)
@@ -210,6 +211,7 @@ Result<std::shared_ptr<Communicator>> NcclCommunicator::growWithId(int newSize, 
   RC_RETURN_IF_ERROR(ready(dl));
   std::shared_ptr<NcclCommunicator> child;
   RC_ASSIGN_OR_RETURN(child, makeChild(opts_.rank, newSize, prefix, store));
+  child->live_ = live_;  // the members it had (the joiners' locks are not known here)
   ncclConfig_t cfg = nonBlockingConfig();
   RC_RETURN_IF_ERROR(call(
       "ncclCommGrow",

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 
 #include "common/check.h"
 #include "common/env.h"
@@ -77,24 +76,6 @@ static_assert(sizeof(ShmLink::Offer) == 112, "the offer is part of the wire form
 
 bool shmEnabled() {
   return env::getInt(env::Knob::kShm) != 0;
-}
-
-const std::string& bootId() {
-  static const std::string id = [] {
-    std::ifstream f("/proc/sys/kernel/random/boot_id");
-    std::string s;
-    std::getline(f, s);
-    return s.size() < sizeof(ShmLink::Offer::bootId) ? s : std::string();
-  }();
-  return id;
-}
-
-uint32_t netNamespace() {
-  static const uint32_t ns = [] {
-    struct stat st {};
-    return ::stat("/proc/self/ns/net", &st) == 0 ? static_cast<uint32_t>(st.st_ino) : 0U;
-  }();
-  return ns;
 }
 
 ShmLink::~ShmLink() {

@@ -64,12 +64,11 @@ uint64_t ringCapacity(int peers);
 
 // Whether this process offers shared memory to its same-host peers (RESILIENT_COMM_SHM).
 bool shmEnabled();
-// This host's boot id ("" if unknown: then no pair uses shared memory).
-const std::string& bootId();
-// This process's network namespace (its inode; 0 if unknown). Two processes share memory only
-// in the same one: a namespace stands for a host of its own (containers, and the namespace
-// "nodes" of the tests, whose links must carry their traffic: tests/system/test_nodes.py).
-uint32_t netNamespace();
+// This host's boot id ("" if unknown: then no pair uses shared memory) and this process's
+// network namespace: two processes share memory only in the same one (the namespace "nodes"
+// of the tests must carry their traffic over their links: tests/system/test_nodes.py).
+using liveness::bootId;
+using liveness::netNamespace;
 
 class ShmLink {
  public:

@@ -37,8 +37,9 @@ constexpr std::chrono::milliseconds kProbeEvery{500};
 // deathOf(p), below them.
 // What a peer sent before it died (or before it left with _exit, its part done) still counts:
 // an op that needs a peer whose liveness lock says it died reads what arrives for this long
-// (loopback delivery can be deferred to ksoftirqd) before it fails.
-constexpr std::chrono::milliseconds kDeathGrace{1};
+// (loopback delivery can be deferred to ksoftirqd) before it fails; poll(2)'s whole
+// milliseconds make it ~1 ms.
+constexpr std::chrono::microseconds kDeathGrace{500};
 constexpr int kBellOf = -3;
 
 std::string describeHeader(const WireHeader& h) {
@@ -133,7 +134,7 @@ Status Transfer::peerAlive(int peer, Deadline* soonest) {
     return Status::ok();
   }
   if (deathGrace_[peer].isNever()) {
-    deathGrace_[peer] = Deadline::after(kDeathGrace);
+    deathGrace_[peer] = Deadline(Deadline::Clock::now() + kDeathGrace);
   }
   if (!deathGrace_[peer].passed()) {
     *soonest = soonest->earliest(deathGrace_[peer]);

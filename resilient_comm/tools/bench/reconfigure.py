@@ -13,7 +13,9 @@ repetition's figure is its last survivor's (the job goes on when every rank does
 Stacks: ``gloo`` (torch's own; a rank that is not a ring neighbour of the dead one waits for
 the op timeout, so gloo runs with ``--gloo-timeout`` seconds: with torch's default of 30
 minutes a repetition would take 30 minutes), ``resilient_tcp`` and ``resilient_nccl`` on the
-NCCL emulator (``nccl-emu``), both at torch's default timeout. Stacks interleave within each
+NCCL emulator (``nccl-emu``), both at torch's default timeout, and ``tcp-no-lock``:
+resilient_tcp with RESILIENT_COMM_LIVENESS=0 (a death known only from the dead process's
+sockets, once the kernel has torn it down). Stacks interleave within each
 repetition, so a noisy machine affects them alike. Medians and p90 over repetitions.
 """
 
@@ -35,7 +37,12 @@ from resilient_comm.testing import WorkerContext, all_reduce_until_failure, star
 from resilient_comm.tools.bench.common import machine, p90
 
 VICTIM = 1
-STACKS = {"gloo": "gloo", "resilient_tcp": "resilient_tcp", "nccl-emu": "resilient_nccl"}
+STACKS = {
+    "gloo": "gloo",
+    "resilient_tcp": "resilient_tcp",
+    "nccl-emu": "resilient_nccl",
+    "tcp-no-lock": "resilient_tcp",
+}
 
 
 def _job(ctx: WorkerContext, stack: str, timeout_s: float | None, numel: int) -> dict:
@@ -43,6 +50,8 @@ def _job(ctx: WorkerContext, stack: str, timeout_s: float | None, numel: int) ->
 
     if stack == "nccl-emu":
         os.environ["RESILIENT_COMM_NCCL_EMULATE"] = "1"
+    if stack == "tcp-no-lock":  # the baseline: a death known once the kernel closed its sockets
+        os.environ["RESILIENT_COMM_LIVENESS"] = "0"
     store = ctx.store()
     kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     dist.init_process_group(
