@@ -136,6 +136,20 @@ def test_the_node_list_is_expanded_by_scontrol(monkeypatch: pytest.MonkeyPatch, 
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("nodelist,host", [("node07", "node07"), ("a1,b2", "a1")])
+def test_a_node_list_without_ranges_needs_no_scontrol(monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
+                                                      nodelist: str, host: str) -> None:
+    """A single-node step (or plain names) gives node 0's host without scontrol, which would
+    need the cluster's slurm.conf (issue #52: it failed on a node without one)."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol anywhere
+    env = STEP_ENV | {"SLURM_STEP_NODELIST": nodelist, "SLURM_JOB_NODELIST": nodelist, "SLURM_NODEID": "0",
+                      "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": "1", "SLURM_NNODES": "1", "SLURM_NTASKS": "1"}
+    a = _args()
+    apply_defaults(a, env)
+    assert (a.rdzv_endpoint, a.node_rank, a.nnodes) == (f"{host}:29400", 0, (1, 1))
+
+
+@pytest.mark.timeout(30)
 def test_a_bad_number_in_slurms_environment_names_the_variable() -> None:
     with pytest.raises(SlurmError, match=r"SLURM_NODEID='x' is not a whole number"):
         step_from_env({**STEP_ENV, "SLURM_NODEID": "x"})

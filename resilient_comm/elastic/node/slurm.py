@@ -24,7 +24,7 @@ Ranks follow ``SLURM_NODEID``, so the step must run one task per node: a step wi
 tasks than nodes is refused when a default would come from it. Nothing here changes what an
 explicit flag says. Pure functions of an environment mapping, but for `apply_defaults`
 (which fills the parsed flags and logs what it took); only `expand_hostnames` runs a program
-(scontrol), and only when the c10d endpoint is needed.
+(scontrol), and only when the c10d endpoint is needed and the node list has a range.
 """
 
 from __future__ import annotations
@@ -124,12 +124,16 @@ def expand_hostnames(nodelist: str, scontrol: str = "scontrol") -> list[str]:
 
 
 def first_host(step: SlurmStep, hostnames: Callable[[str], list[str]] = expand_hostnames) -> str:
-    """The step's node 0 (SLURM_NODEID 0 is the first host of the step's node list)."""
+    """The step's node 0 (SLURM_NODEID 0 is the first host of the step's node list). A list
+    without brackets is plain names ("node07", "a,b"): its first is read without scontrol,
+    which needs the cluster's slurm.conf (a single-node step has no range to expand)."""
     if not step.nodelist:
         raise SlurmError(
             f"Slurm step {step.job_id}.{step.step_id} has no SLURM_STEP_NODELIST or SLURM_JOB_NODELIST: "
             "give --rdzv-endpoint host:port yourself"
         )
+    if "[" not in step.nodelist:
+        return step.nodelist.split(",")[0].strip()
     return hostnames(step.nodelist)[0]
 
 
