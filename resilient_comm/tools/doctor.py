@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import platform
+import select
+import signal
+import time
 
 import torch
 
@@ -21,6 +24,7 @@ def report() -> dict:
         "cuda_available": torch.cuda.is_available(),
         "cpus": os.cpu_count(),
         "transports": {"tcp": {"available": True, "caps": caps, "shm": _C.shm_self_test()}},
+        "liveness": liveness_self_test(),
         "nccl": nccl,
         "hccl": _C.probe_hccl(),
         "device_transports": _C.device_transports(),
@@ -34,11 +38,53 @@ def report() -> dict:
 SECRET_KNOBS = ("RESILIENT_COMM_TOKEN",)  # never printed
 
 
+def liveness_self_test() -> str:
+    """A forked child holds a liveness slot and is SIGKILLed: how soon its lock said so, and how
+    soon its exit did ([Note: the liveness lock]); or why the lock is not available."""
+    from resilient_comm.api import liveness_slot
+
+    slot = liveness_slot()
+    if slot is None:
+        return "off (RESILIENT_COMM_LIVENESS=0, or no memfd): deaths are known from the exit"
+    fd, env = slot
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: holds the slot, says so, waits to be killed
+        try:
+            os.environ.update(env)
+            os.write(w, b"1" if _C.liveness_hold() else b"0")
+            os.read(r, 1)
+        finally:
+            os._exit(0)
+    try:
+        watch = _C.LivenessWatch(fd, pid)
+        if os.read(r, 1) != b"1":
+            return "not available: the child could not take its lock (see the log)"
+        pidfd = os.pidfd_open(pid)
+        t0 = time.monotonic_ns()
+        os.kill(pid, signal.SIGKILL)
+        select.select([watch.fileno()], [], [], 5)
+        select.select([pidfd], [], [], 5)
+        exited = time.monotonic_ns()
+        os.close(pidfd)
+        if watch.verdict != "died":
+            return f"not working: the lock said {watch.verdict!r} of a SIGKILLed child"
+        return (
+            f"a SIGKILLed child noticed {(watch.noticed_ns - t0) / 1e6:.2f} ms after the kill "
+            f"(its exit: {(exited - t0) / 1e6:.2f} ms)"
+        )
+    finally:
+        os.waitpid(pid, 0)
+        for f in (fd, r, w):
+            os.close(f)
+
+
 def main(argv: list[str] | None = None) -> int:
     r = report()
     print(
         f"python {r['python']}  torch {r['torch']}  cpus {r['cpus']}  cuda available: {r['cuda_available']}"
     )
+    print("liveness lock (a death known before the kernel's teardown): " + r["liveness"])
     print("transports:")
     caps = r["transports"]["tcp"]["caps"]
     print("  tcp   available  " + " ".join(f"{k}={'yes' if v else 'no'}" for k, v in caps.items()))

@@ -23,6 +23,7 @@ def test_doctor_reports_transports_and_nccl() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "tcp   available" in out.stdout and "abort=yes" in out.stdout
+    assert "liveness lock (a death known before the kernel's teardown): a SIGKILLed child noticed" in out.stdout
     assert "nccl" in out.stdout
     assert "RESILIENT_COMM_ALGO" in out.stdout
     assert "RESILIENT_COMM_TOKEN" in out.stdout and "<set, not shown>" in out.stdout and secret not in out.stdout
