@@ -132,6 +132,14 @@ class ResilientBackend : public c10d::Backend {
   void unregisterAbortHook(int64_t hookId) override {
     hooks_->remove(hookId);
   }
+  // torch 2.15's capability query (its Backend declares it virtual; no `override` here, so that
+  // 2.14's headers, which lack it, still compile): torch's flight-recorder hook registers its
+  // abort hook, through which it dumps, only on a backend that says it runs them (#192234,
+  // torch/csrc/distributed/c10d/hooks/FlightRecorderHook.cpp). Ours runs them on every failure
+  // and abort.
+  bool supportsAbortHooks() const {  // NOLINT(modernize-use-override)
+    return true;
+  }
 #endif
 #ifdef C10D_BACKEND_HAS_RECONFIGURE
   // reconfigure() with its options unpacked: `handles` a list (`ordered`) or a set; timeout < 0:

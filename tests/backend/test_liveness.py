@@ -108,7 +108,10 @@ def test_a_sigkilled_workers_agent_and_same_host_peer_know_before_its_teardown_e
         assert r["notice"] < 50 and r["op error"] < 50, r
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     print("median: " + ", ".join(f"{k} {v:.2f} ms" for k, v in med.items()))
-    assert med["notice"] <= 5 and med["op error"] <= 5, med
+    # On a quiet machine the op error's median is 2.5-4.5 ms (benchmarks/README.md): the notice,
+    # the transport's 0.5 ms grace, the exception in Python. A loaded 2-core CI machine, whose
+    # other core the victim's teardown takes, has been seen at 5.7 ms.
+    assert med["notice"] <= 5 and med["op error"] <= 10, med
 
 
 # Each program holds a slot handed to it, then does one thing a live process may do.
