@@ -105,6 +105,15 @@ def main(argv: list[str] | None = None) -> int:
         print("        " + " ".join(f"{k}={'yes' if v else 'no'}" for k, v in h["caps"].items()))
     else:
         print("  hccl  not available: " + h["error"])
+    print("torch's reconfigure API (docs/reconfigure.md):")
+    if hasattr(torch.distributed.ProcessGroup, "reconfigure"):
+        print(
+            '  supported: init_process_group("resilient_tcp" or "resilient_nccl", enable_reconfigure=True),\n'
+            "  one backend per group (never cpu:gloo,cuda:...: torch refuses to reconfigure several);\n"
+            '  torchft\'s FT-FSDP membership names "nccl2": name "resilient_nccl" in its init_process_group'
+        )
+    else:
+        print(f"  not in torch {torch.__version__} (2.14 and later have it)")
     print("device transports (which library carries a backend's device tensors):")
     for t in r["device_transports"]:
         state = "" if t["enabled"] else "   (off: RESILIENT_COMM_NCCL_EMULATE=1 turns it on)"

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch.distributed as dist
 
 import resilient_comm
 from resilient_comm import _C
@@ -25,6 +26,8 @@ def test_doctor_reports_transports_and_nccl() -> None:
     assert "tcp   available" in out.stdout and "abort=yes" in out.stdout
     assert "liveness lock (a death known before the kernel's teardown): a SIGKILLed child noticed" in out.stdout
     assert "nccl" in out.stdout
+    if hasattr(dist.ProcessGroup, "reconfigure"):
+        assert "torchft's FT-FSDP membership names \"nccl2\": name \"resilient_nccl\"" in out.stdout
     assert "RESILIENT_COMM_ALGO" in out.stdout
     assert "RESILIENT_COMM_TOKEN" in out.stdout and "<set, not shown>" in out.stdout and secret not in out.stdout
 
