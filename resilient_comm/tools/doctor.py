@@ -47,18 +47,23 @@ def liveness_self_test() -> str:
     if slot is None:
         return "off (RESILIENT_COMM_LIVENESS=0, or no memfd): deaths are known from the exit"
     fd, env = slot
-    r, w = os.pipe()
+    said_r, said_w = os.pipe()  # the child says whether it holds the lock
+    hold_r, hold_w = os.pipe()  # never written: the child waits on it until it is killed
     pid = os.fork()
     if pid == 0:  # the child: holds the slot, says so, waits to be killed
         try:
+            os.close(said_r)
+            os.close(hold_w)
             os.environ.update(env)
-            os.write(w, b"1" if _C.liveness_hold() else b"0")
-            os.read(r, 1)
+            os.write(said_w, b"1" if _C.liveness_hold() else b"0")
+            os.read(hold_r, 1)
         finally:
             os._exit(0)
+    os.close(said_w)
+    os.close(hold_r)
     try:
         watch = _C.LivenessWatch(fd, pid)
-        if os.read(r, 1) != b"1":
+        if os.read(said_r, 1) != b"1":  # (b"": the child died first)
             return "not available: the child could not take its lock (see the log)"
         pidfd = os.pidfd_open(pid)
         t0 = time.monotonic_ns()
@@ -74,8 +79,9 @@ def liveness_self_test() -> str:
             f"(its exit: {(exited - t0) / 1e6:.2f} ms)"
         )
     finally:
+        os.kill(pid, signal.SIGKILL)  # (gone already, unless something above failed)
         os.waitpid(pid, 0)
-        for f in (fd, r, w):
+        for f in (fd, said_r, hold_w):
             os.close(f)
 
 

@@ -8,6 +8,7 @@ resilient-run does) and watches it; the worker's pidfd says when the kernel is d
 
 from __future__ import annotations
 
+import mmap
 import os
 import select
 import signal
@@ -183,6 +184,39 @@ def test_an_exec_is_not_a_death() -> None:
         assert p.stdout.readline().strip() == "after"  # the process lives on
         assert "lives on" in watch.why
     finally:
+        p.kill()
+        p.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_forged_release_is_not_a_death() -> None:
+    """A process that can write a live holder's slot sets FUTEX_OWNER_DIED: the watcher finds the
+    holder's process not exiting and says "lost", never "died" (docs/security.md)."""
+    slot = liveness_slot()
+    assert slot is not None
+    fd, env = slot
+    p = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, "thread"],
+        env=os.environ | env,
+        pass_fds=(fd,),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        watch = _C.LivenessWatch(fd, p.pid)
+        assert p.stdout.readline().strip() == "done"
+        with mmap.mmap(fd, 4096) as m:
+            word = int.from_bytes(m[8:12], "little")
+            assert word & 0x3FFFFFFF, "the holder's tid is in the word"
+            m[8:12] = (word | 0x40000000).to_bytes(4, "little")  # FUTEX_OWNER_DIED
+        waker = _C.LivenessWatch(fd, p.pid)
+        del waker  # a watch's end wakes every watcher of the slot
+        assert _wait(watch.fileno(), 10) is not None
+        assert watch.verdict == "lost", watch.why
+        assert p.poll() is None
+    finally:
+        os.close(fd)
         p.kill()
         p.wait()
 
