@@ -389,6 +389,14 @@ int64_t Watch::noticedNs() const {
   return s_->noticedNs.load();
 }
 
+Deadline Watch::deadAfter(std::chrono::nanoseconds grace) const {
+  if (verdict() != Verdict::kDied) {
+    return Deadline::never();
+  }
+  // CLOCK_MONOTONIC, the steady clock's
+  return Deadline(Deadline::Clock::time_point(std::chrono::nanoseconds(noticedNs())) + grace);
+}
+
 std::string Watch::why() const {
   const std::string who = "process " + std::to_string(s_->pid);
   switch (verdict()) {

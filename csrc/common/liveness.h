@@ -35,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "common/deadline.h"
 #include "common/status.h"
 
 namespace resilient_comm::liveness {
@@ -85,6 +86,9 @@ class Watch {
   Verdict verdict() const;
   // CLOCK_MONOTONIC nanoseconds at which the futex woke with the verdict (0 before).
   int64_t noticedNs() const;
+  // Once it died: `grace` after the notice (what the process sent before it died may still be
+  // arriving until then); never while it has not died.
+  Deadline deadAfter(std::chrono::nanoseconds grace) const;
   // What the verdict means, for an error message.
   std::string why() const;
 

@@ -54,19 +54,25 @@ def _wait(fd: int, timeout_s: float) -> int | None:
     return time.monotonic_ns() if p.poll(timeout_s * 1e3) else None
 
 
-def _kill_once(port: int) -> dict:
+def _holding(program: str, *args: str) -> tuple[subprocess.Popen, _C.LivenessWatch, int]:
+    """`program` started as resilient-run starts a worker: with a slot to hold, watched here;
+    the slot's fd is the caller's to close."""
     slot = liveness_slot()
     assert slot is not None
     fd, env = slot
-    victim = subprocess.Popen(
-        [sys.executable, "-c", VICTIM, str(port)],
+    p = subprocess.Popen(
+        [sys.executable, "-c", program, *args],
         env=os.environ | env,
         pass_fds=(fd,),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
-    watch = _C.LivenessWatch(fd, victim.pid)
+    return p, _C.LivenessWatch(fd, p.pid), fd
+
+
+def _kill_once(port: int) -> dict:
+    victim, watch, fd = _holding(VICTIM, str(port))
     os.close(fd)
     pidfd = os.pidfd_open(victim.pid)
     peer = subprocess.Popen([sys.executable, "-c", PEER, str(port)], stdout=subprocess.PIPE, text=True)
@@ -137,18 +143,7 @@ sys.stdin.read()
 
 
 def _holder(what: str) -> tuple[subprocess.Popen, _C.LivenessWatch]:
-    slot = liveness_slot()
-    assert slot is not None
-    fd, env = slot
-    p = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, what],
-        env=os.environ | env,
-        pass_fds=(fd,),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    watch = _C.LivenessWatch(fd, p.pid)
+    p, watch, fd = _holding(HOLDER, what)
     os.close(fd)
     return p, watch
 
@@ -192,19 +187,8 @@ def test_an_exec_is_not_a_death() -> None:
 def test_a_forged_release_is_not_a_death() -> None:
     """A process that can write a live holder's slot sets FUTEX_OWNER_DIED: the watcher finds the
     holder's process not exiting and says "lost", never "died" (docs/security.md)."""
-    slot = liveness_slot()
-    assert slot is not None
-    fd, env = slot
-    p = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, "thread"],
-        env=os.environ | env,
-        pass_fds=(fd,),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    p, watch, fd = _holding(HOLDER, "thread")
     try:
-        watch = _C.LivenessWatch(fd, p.pid)
         assert p.stdout.readline().strip() == "done"
         with mmap.mmap(fd, 4096) as m:
             word = int.from_bytes(m[8:12], "little")

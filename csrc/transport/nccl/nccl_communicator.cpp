@@ -184,7 +184,7 @@ Status NcclCommunicator::initWithId(const std::string& key, const Deadline& dl) 
         [&](ncclComm_t) { return api_->commInitRankConfig(handle_->slot(), opts_.size, id, opts_.rank, &cfg); }, dl);
   }
   // [Note: the liveness lock]: this member's lock goes under its host's key before its init;
-  // once the init completed, every member's is there (ready() reads them).
+  // once the init completed, every member's is there (watchMembers reads them).
   const std::string tag = liveness::hostTag();
   const std::string mine = liveness::entry(opts_.rank);
   if (!tag.empty() && !mine.empty() && storeAppend(opts_.store, key + "/live/" + tag, mine).isOk()) {
@@ -204,7 +204,6 @@ void NcclCommunicator::watchMembers() {
   if (liveKey_.empty()) {
     return;
   }
-  std::vector<std::string> v;
   AbortToken none;
   auto r = storeFetch(opts_.store, {liveKey_}, Deadline::after(std::chrono::milliseconds(1000)), none);
   liveKey_.clear();
@@ -215,14 +214,8 @@ void NcclCommunicator::watchMembers() {
 
 Status NcclCommunicator::membersAlive(bool busy) {
   const int dead = live_.died();
-  if (dead < 0 || !busy) {
-    deathGrace_ = Deadline::never();
-    return Status::ok();
-  }
-  if (deathGrace_.isNever()) {
-    deathGrace_ = Deadline::after(std::chrono::milliseconds(1));  // what it finished still completes
-  }
-  if (!deathGrace_.passed()) {
+  // (what it finished before it died still completes within the grace)
+  if (dead < 0 || !busy || !live_.byRank[dead]->deadAfter(std::chrono::milliseconds(1)).passed()) {
     return Status::ok();
   }
   return Status(StatusCode::kPeerFailure, "rank " + std::to_string(dead) + " died while an op of group '" +

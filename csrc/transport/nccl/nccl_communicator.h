@@ -202,7 +202,6 @@ class NcclCommunicator : public CommLifecycle, public Polled, public std::enable
   Status membersAlive(bool busy);
   std::string liveKey_;
   liveness::Members live_;
-  Deadline deathGrace_ = Deadline::never();
 
   std::mutex launchMu_;
   bool groupOpen_ = false;

@@ -392,8 +392,7 @@ Status negotiateShm(std::vector<Peer>& peers, const std::vector<int>& fresh, std
         RC_LOG(kInfo, "not watching rank " << p.peer << "'s liveness lock: " << w.status().message());
       }
     }
-    p.verdicts = p.link != nullptr && o.magic == kOfferMagic && o.willing == 1 && bootId() == o.bootId &&
-                 o.netns == netNamespace();
+    p.verdicts = p.link != nullptr && o.willing == 1 && sameHost;
     if (p.verdicts) {
       Status st = p.link->attach(o);
       p.mine = st.isOk();

@@ -72,7 +72,6 @@ Transfer::Transfer(std::vector<Peer>& peers, int self, const MsgMeta& meta, cons
       abort_(abort),
       q_(peers.size()),
       ignoreInput_(peers.size(), false),
-      deathGrace_(peers.size(), Deadline::never()),
       links_(links),
       probeAt_(Deadline::after(kProbeAfter)) {}
 
@@ -130,14 +129,9 @@ void Transfer::recvAny(void* buf, size_t bytes, uint64_t tag, std::vector<uint64
 
 Status Transfer::peerAlive(int peer, Deadline* soonest) {
   const liveness::Watch& live = *peers_[peer].live;
-  if (live.verdict() != liveness::Verdict::kDied) {
-    return Status::ok();
-  }
-  if (deathGrace_[peer].isNever()) {
-    deathGrace_[peer] = Deadline(Deadline::Clock::now() + kDeathGrace);
-  }
-  if (!deathGrace_[peer].passed()) {
-    *soonest = soonest->earliest(deathGrace_[peer]);
+  const Deadline dead = live.deadAfter(kDeathGrace);
+  if (!dead.passed()) {  // alive, or its grace runs
+    *soonest = soonest->earliest(dead);
     return Status::ok();
   }
   return Status(StatusCode::kPeerFailure, "rank " + std::to_string(peer) + " died while rank " +

@@ -221,8 +221,8 @@ class Transfer {
   Status peekUnexpected(int peer);
   // An open recvAny() and every peer gone: the failure, else Ok.
   Status anyPeersLeft() const;
-  // A PeerFailure once the liveness lock of same-host `peer` (Peer::live) said it died and
-  // kDeathGrace passed; meanwhile `*soonest` is lowered to the grace's end.
+  // A PeerFailure once the liveness lock of same-host `peer` (Peer::live) said it died
+  // kDeathGrace ago; meanwhile `*soonest` is lowered to the grace's end.
   Status peerAlive(int peer, Deadline* soonest);
   // In run()'s poll set, the tag of `peer`'s liveness lock.
   int deathOf(int peer) const;
@@ -246,7 +246,6 @@ class Transfer {
   std::vector<Queues> q_;
   AnyRecv any_;
   std::vector<bool> ignoreInput_;  // a later op's message is waiting: stop peeking
-  std::vector<Deadline> deathGrace_;  // per peer: never, or the end of its grace once it died
   Links* links_;
   // When to next probe the higher ranks this op waits to hear a Hello from (Links::probe).
   Deadline probeAt_;
