@@ -77,7 +77,10 @@ def check_recovered(job: ToyJob, status: int, victims: list[int], recoveries: in
         assert same_state(d[r]["state"], d[survivors[0]]["state"]), f"replica {r} differs from {survivors[0]}"
         for tl in d[r]["recoveries"]:
             assert tl["ms"]["total"] < 3000, tl
-            assert any(c in tl["cause"] for c in ("PeerFailureError", "CommAbortedError")), tl["cause"]
+            # A death can be heard in an op, or (its liveness lock is that fast) from the launcher's
+            # report while the survivors still compute.
+            assert any(c in tl["cause"] for c in ("PeerFailureError", "CommAbortedError", "reported gone while step")), \
+                tl["cause"]
     # Every step committed exactly once on every survivor: none lost, none applied twice.
     for r, steps in commits_by_rank(job).items():
         if r in survivors:
