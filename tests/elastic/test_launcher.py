@@ -454,3 +454,29 @@ def test_places_are_drawn_once_and_a_returning_node_takes_a_free_capacity_place(
     assert rendezvous.first_spare(store, "e", 3) == 0
     rendezvous.spare_started(store, "e", 3)
     assert rendezvous.first_spare(store, "e", 3) == 1
+
+
+@pytest.mark.timeout(30)
+def test_a_dead_workers_teardown_yields_for_a_bounded_time_then_gets_its_policy_back() -> None:
+    """[Note: the teardown yields] The launcher makes the threads of a process whose liveness
+    lock said "died" SCHED_IDLE and puts them back TEARDOWN_YIELD_S later (shown on a live
+    process with three threads: a dead one's teardown is over before anything can look)."""
+    from resilient_comm.elastic.node import launcher
+
+    if not launcher._MAY_RESTORE:
+        pytest.skip("no CAP_SYS_NICE and RLIMIT_NICE < 20: the launcher leaves a teardown alone")
+    body = "import threading, sys, time\n" + "for _ in range(2): threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    child = subprocess.Popen([sys.executable, "-c", body + "print('up', flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"up\n"
+        tids = [int(t) for t in os.listdir(f"/proc/{child.pid}/task")]
+        assert len(tids) == 3, tids
+        t0 = time.monotonic()
+        launcher._yield_teardown(child.pid)
+        assert [os.sched_getscheduler(t) for t in tids] == [os.SCHED_IDLE] * 3
+        wait_for(lambda: all(os.sched_getscheduler(t) == os.SCHED_OTHER for t in tids), "the policy put back", 5)
+        took = time.monotonic() - t0
+        assert launcher.TEARDOWN_YIELD_S <= took < launcher.TEARDOWN_YIELD_S + 1.0, took
+    finally:
+        child.kill()
+        child.wait()

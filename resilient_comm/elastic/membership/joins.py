@@ -20,11 +20,13 @@ import datetime
 import json
 import re
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch.distributed as dist
 
 from resilient_comm.elastic.membership.keys import MAC_SEP, MIN_WAIT_S, Keys, chunks, warn_malformed
+from resilient_comm.elastic.model.pacer import Pacer
 from resilient_comm.elastic.model.records import JoinRecord
 
 # Join records of JOIN_GROUP consecutive ranks share one key, each rank appending its own
@@ -126,12 +128,18 @@ class JoinKeys:
         for g, es in entries.items():
             cast(Any, self.k.store).append(self.k.key("e", epoch, "joins", g), "".join(es))  # the stubs lag
 
-    def wait_all(self, epoch: int, live: list[int], wait_s: float = 0.0) -> dict[int, JoinRecord] | None:
+    def wait_all(
+        self, epoch: int, live: list[int], wait_s: float = 0.0, news: Callable[[float], bool] | None = None
+    ) -> dict[int, JoinRecord] | None:
         """The join records of every `live` member once all have joined `epoch`; None until
         then. On a TCPStore a wait of up to `wait_s` that the store answers when the last
         group's key lands (no polling of absent keys), then the groups read; a group whose key
         is there but not yet each live rank's entry (its node's workers append within
-        milliseconds of each other) is read again every 5 ms within `wait_s`. On etcd
+        milliseconds of each other) is read again, 0.5 ms after the first read and then
+        less often (5 ms at most), within `wait_s`; the pause ends at once, and None is
+        returned, where `news(pause_s)` says that news came (a rank lost meanwhile changes
+        who is live: right after a death its report lands while the decider waits here for
+        the dead rank's join). On etcd
         (`ranged`) a listing of the keys written since the last poll (each names how many
         records it holds: `JoinTally`), and once they hold as many as there are live members,
         one read (the caller paces its polls)."""
@@ -159,12 +167,18 @@ class JoinKeys:
             elif not all(self.k.store.check(part) for part in chunks(keys)):
                 return None
         joined = self.joined(epoch, live, there=True)
+        pace = Pacer(cap_s=MIN_WAIT_S)  # pacing the re-read of the few groups with an entry to come
         while missing := [r for r in live if r not in joined]:
             if self._tally is not None and self.k.ranged:
                 self._tally.read(len(live))  # not read again until a key is written or a rank is gone
-            if self.k.watches or time.monotonic() + MIN_WAIT_S > end:
+            if self.k.watches or time.monotonic() + pace.next_s > end:
                 return None
-            time.sleep(MIN_WAIT_S)  # pacing the re-read of the few groups with an entry to come
+            if news is None:
+                pace.wait()
+            elif news(pace.next_s):
+                return None
+            else:
+                pace.skip()
             joined.update(self.joined(epoch, missing, there=True))
         return joined
 

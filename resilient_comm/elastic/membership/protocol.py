@@ -49,6 +49,7 @@ import datetime
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, cast
 
@@ -161,12 +162,17 @@ class Membership:
         self.joins.join_many(epoch, records)
 
     def complete(
-        self, epoch: int, base: list[int], live: list[int], wait_s: float = 0.0
+        self,
+        epoch: int,
+        base: list[int],
+        live: list[int],
+        wait_s: float = 0.0,
+        news: Callable[[float], bool] | None = None,
     ) -> tuple[dict[int, JoinRecord], dict[int, Gone]] | None:
         """What the decider of `epoch` needs once every `live` member of `base` has joined:
-        their join records (`JoinKeys.wait_all`, waiting up to `wait_s`) and the evidence on
-        the others; None until then."""
-        joined = self.joins.wait_all(epoch, live, wait_s)
+        their join records (`JoinKeys.wait_all`, waiting up to `wait_s`, a wait that `news`
+        may end) and the evidence on the others; None until then."""
+        joined = self.joins.wait_all(epoch, live, wait_s, news)
         if joined is None:
             return None
         alive = set(live)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from resilient_comm.elastic.worker.pacer import Pacer
+from resilient_comm.elastic.model.pacer import Pacer
 
 
 def vote_device(backend: str, device: torch.device | str | None = None) -> torch.device:

@@ -19,10 +19,10 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 
 from resilient_comm.elastic.membership.protocol import Membership
+from resilient_comm.elastic.model.pacer import Pacer
 from resilient_comm.elastic.model.records import Decision, Gone, JoinRecord, now
 from resilient_comm.elastic.worker.detector import Detector
 from resilient_comm.elastic.worker.errors import Evicted, RecoveryError
-from resilient_comm.elastic.worker.pacer import Pacer
 from resilient_comm.elastic.worker.rejoin import join_wait_s
 
 

@@ -14,6 +14,7 @@ bounded by the recovery's deadline (`RecoveryError`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -22,11 +23,11 @@ import torch.distributed as dist
 
 from resilient_comm.elastic.membership.protocol import Membership, join_poll_cap_s
 from resilient_comm.elastic.model.decide import decide
+from resilient_comm.elastic.model.pacer import Pacer
 from resilient_comm.elastic.model.records import Decision, Gone, JoinRecord
 from resilient_comm.elastic.worker.checkpoints import Checkpoints
 from resilient_comm.elastic.worker.detector import Detector
 from resilient_comm.elastic.worker.errors import Evicted, RecoveryError
-from resilient_comm.elastic.worker.pacer import Pacer
 
 log = logging.getLogger("resilient_comm.elastic")
 
@@ -171,7 +172,13 @@ def await_decision(
         if live and live[0] == rank:
             # Every live member's join at once (Membership.complete); the wait is short: a
             # rank lost meanwhile changes who is live.
-            complete = m.complete(epoch, base.members, live, wait_s=min(wait_s, timeout_s))
+            complete = m.complete(
+                epoch,
+                base.members,
+                live,
+                wait_s=min(wait_s, timeout_s),
+                news=functools.partial(_news_within, detector, news),
+            )
             wait_s = min(0.1, 2 * wait_s)
             if complete is not None:
                 d = m.decide(make(*complete))
@@ -181,6 +188,10 @@ def await_decision(
                 pace.wait()
         else:
             detector.wait_news(news, min(1.0, max(0.0, deadline - time.monotonic())))
+
+
+def _news_within(detector: Detector, seen: int, pause_s: float) -> bool:
+    return detector.wait_news(seen, pause_s) != seen
 
 
 def wait_placed(
