@@ -90,6 +90,7 @@ PY_ARROWS: dict[str, set[str]] = {
     "resilient_comm.sim": {"resilient_comm.checkpoint"},
     # Tools, test programs and examples sit on top and may use anything.
     "resilient_comm.tools": {"*"},
+    "resilient_comm.integrations": {"*"},  # on top: framework integrations use anything
     "resilient_comm.testing": {"*"},
     "resilient_comm.examples": {"*"},
 }

@@ -42,6 +42,10 @@ fi
 # torchft row and of torchft's own native-group test on our backends (which needs its test
 # dependency parameterized), on the suite's torch; pure Python, it leaves torch as it is.
 if [ "$TORCH_VERSION" = "$DEFAULT_TORCH" ]; then "${PIP[@]}" "torchft-nightly==2026.10.26" parameterized; fi
+# Lightning and Accelerate (pyproject's `frameworks` extra, pinned here) for the suite's tests
+# of their scripts under `resilient-run --in-process` (tests/elastic/test_frameworks.py); they
+# leave torch as it is.
+if [ "$TORCH_VERSION" = "$DEFAULT_TORCH" ]; then "${PIP[@]}" "lightning==2.6.6" "accelerate==1.16.0"; fi
 
 # NCCL for resilient_nccl (loaded at run time; its nccl.h for the ABI test): the nvidia-nccl wheel
 # that goes with this torch, never a second one over torch's own -- they all write the same

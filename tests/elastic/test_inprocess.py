@@ -237,3 +237,34 @@ def test_outside_resilient_run_a_restartable_function_runs_once(monkeypatch: pyt
     assert f(2) == 2 and calls == [1, 2]
     with pytest.raises(ValueError, match="max_restarts must be >= 0"):
         restartable(max_restarts=-1)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ignore", [False, True])
+def test_a_workers_own_error_is_the_jobs_status_though_the_others_finished(tmp_path: pathlib.Path,
+                                                                           ignore: bool) -> None:
+    """Issue #53: rank 2's script raises at step 10 (an error of its own, not a fault): the
+    others restart in-process without it and finish, and resilient-run's status is rank 2's
+    (its last line says so), not 0; ``--ignore-worker-errors`` keeps the old behaviour."""
+    script = tmp_path / "own_error.py"
+    script.write_text(TUTORIAL.replace(
+        "        g = torch.ones(1) * (rank + 1)\n",
+        "        if rank == 2 and world == 4 and step == 10:\n"
+        "            raise ValueError('a bug of its own at step 10')\n"
+        "        g = torch.ones(1) * (rank + 1)\n"))
+    env = dict(os.environ, ELASTIC_CKPT=str(tmp_path / "ckpt.pt"), ELASTIC_STEPS="20", ELASTIC_SLEEP_S="0.02")
+    flags = ["--ignore-worker-errors"] if ignore else []
+    out = subprocess.run([*LAUNCHER, "--nproc-per-node", "4", *flags, "--log-dir", str(tmp_path / "logs"),
+                          "--in-process", str(script)], env=env, capture_output=True, text=True, timeout=100,
+                         check=False)
+    lg = logs(tmp_path / "logs")
+    assert "ValueError: a bug of its own at step 10" in lg[2].text, lg[2].text
+    for r in (0, 1, 3):
+        assert "DONE at step=20" in lg[r].text and "world=3" in lg[r].text, lg[r].text
+    last = out.stderr.strip().splitlines()[-2:]
+    if ignore:
+        assert out.returncode == 0, out.stderr
+    else:
+        assert out.returncode == 1, out.stderr
+        assert re.search(r"worker 2 \(pid \d+\) ended with an error of its own \(exit code 1\) and the job went on "
+                         r"without it: exit status 1", "\n".join(last)), out.stderr

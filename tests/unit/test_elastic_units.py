@@ -567,3 +567,34 @@ def test_a_planned_departure_aborts_nothing_at_once_and_only_a_member_that_did_n
     died._held = [group]
     died._on_gone(Gone(2, "exit", "killed by SIGKILL", time.time(), "launcher"))
     assert len(died.aborted) == 1 and "is gone (exit: killed by SIGKILL" in died.aborted[0][1]
+
+
+def test_a_report_of_a_death_does_not_abort_again_what_the_training_thread_aborted() -> None:
+    """A gone report that lands after the training thread's own abort (its op failed first:
+    the liveness lock makes that the usual order) aborts nothing again: that abort kept the
+    detector thread from the join's answer for 2-5 ms under load. What was added since, and the
+    training thread's own aborts (`again`), are aborted; a rebuild's groups start afresh."""
+    from resilient_comm.elastic.worker.evidence import Evidence
+
+    class Member(Evidence):
+        def __init__(self) -> None:
+            super().__init__(0, [0, 1, 2, 3])
+            self.aborted: list[list[Any]] = []
+
+        def _abort(self, held: list[Any], reason: str) -> None:
+            self.aborted.append(held)
+
+    a, b, c = object(), object(), object()
+    m = Member()
+    m._held = [a, b]
+    m._abort_held([a, b], "recovering from PeerFailureError", again=True)
+    m._held.append(c)
+    m._on_gone(Gone(3, "exit", "died (its liveness lock)", time.time(), "launcher"))
+    assert m.aborted == [[a, b], [c]], m.aborted
+    m._abort_held([a, b, c], "rebuild of epoch 1 failed", again=True)
+    assert m.aborted[-1] == [a, b, c], "the training thread aborts again what it asks"
+    with m._lock:
+        assert m._take_held() == [a, b, c] and m._held == []
+    m._held = [a]  # (the same object again: aborted afresh after a rebuild)
+    m._on_gone(Gone(2, "exit", "killed by SIGKILL", time.time(), "launcher"))
+    assert m.aborted[-1] == [a], m.aborted

@@ -164,6 +164,13 @@ def parser() -> argparse.ArgumentParser:
         help="spares started to refill the pool after failures, in all (default unlimited)",
     )
     p.add_argument(
+        "--ignore-worker-errors",
+        "--ignore_worker_errors",
+        action="store_true",
+        help="exit 0 when the job finished although a worker ended with an error of its own "
+        "(by default that worker's status is the node's: a script's error stays visible)",
+    )
+    p.add_argument(
         "--log-dir", "--log_dir", default=None, help="write each worker's output to DIR/GEN/RANK.log"
     )
     (
@@ -328,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                     metrics_port=a.metrics_port,
                     join_timeout_s=join_timeout_s,
                     health_check=health,
+                    ignore_worker_errors=a.ignore_worker_errors,
                 )
             )
         except ValueError as e:  # a bad layout (nodes, ranks, spares) or endpoint: a usage error

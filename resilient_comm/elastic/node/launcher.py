@@ -208,6 +208,10 @@ class Worker:
     # reported from it, before the kernel's teardown let the pidfd fire.
     live: _C.LivenessWatch | None = None
     died_at: float | None = None
+    # Whether the launcher's report of its end was the first (nobody had reported it gone),
+    # and how it ended where that was an error of its own (`Launcher._own_error`).
+    reported_first: bool = False
+    own_error: str | None = None
 
     @classmethod
     def start(
@@ -292,13 +296,16 @@ class Launcher:
         metrics_port: int | None = None,
         join_timeout_s: float = JOIN_TIMEOUT_S,
         health_check: HealthCheck | None = None,
+        ignore_worker_errors: bool = False,
     ) -> None:
         """`nnodes` and `max_nodes` are ``--nnodes MIN:MAX`` (`max_nodes` None: MAX = MIN);
         `node_rank` None: this node's place comes from the rendezvous (node/rendezvous.py);
         `spares` None: none on an initial node, `nproc` on a capacity node; `metrics_port`:
         serve this node's Prometheus metrics there (0: any free port; metrics.py);
         `health_check`: run every period while the node runs, the node leaving the job when it
-        fails (`main` runs it once before making the launcher: node/health.py)."""
+        fails (`main` runs it once before making the launcher: node/health.py);
+        `ignore_worker_errors`: a worker's error of its own that the job went on without is no
+        failure of the job (`_status`)."""
         max_nodes = nnodes if max_nodes is None else max_nodes
         if nproc < 1:
             raise ValueError(f"--nproc-per-node {nproc}: must be at least 1")
@@ -321,7 +328,7 @@ class Launcher:
         self.capacity = node_rank >= nnodes  # joins as spare capacity: no workers of its own, only spares
         spares = (nproc if self.capacity else 0) if spares is None else spares
         self.cmd, self.nproc, self.nnodes, self.node_rank = cmd, nproc, nnodes, node_rank
-        self.max_nodes = max_nodes
+        self.max_nodes, self.ignore_worker_errors = max_nodes, ignore_worker_errors
         self.max_restarts, self.log_dir, self.extra_env = max_restarts, log_dir, dict(env or {})
         self.generation = 0
         self.spares, self.max_spare_starts, self.spare_starts = spares, max_spare_starts, 0
@@ -577,6 +584,8 @@ class Launcher:
                 what,
                 1e3 * (time.monotonic() - w.died_at),
             )
+            if w.reported_first and w.status is not None:  # (an os._exit(1) leaves its lock held too)
+                w.own_error = self._own_error(w, w.status, what)
         elif not self._report_end(w, what, t):
             return
         if (
@@ -617,7 +626,7 @@ class Launcher:
             log.warning("worker %d (pid %d): %s; not reported: %s", w.rank, w.proc.pid, what, self._cut_off())
             return False
         try:
-            self.membership().report_gone(Gone(w.rank, "exit", what, t, "launcher"))
+            first = self.membership().report_gone(Gone(w.rank, "exit", what, t, "launcher"))
         except dist.DistError as e:
             log.error(
                 "worker %d (pid %d): %s; could not report it: the store failed (%s)",
@@ -627,6 +636,9 @@ class Launcher:
                 e,
             )
             return False
+        w.reported_first = first
+        if first and w.status is not None:
+            w.own_error = self._own_error(w, w.status, what)
         log.log(
             logging.INFO if w.status == 0 else logging.WARNING,
             "%s %d (pid %d): %s; reported to the membership",
@@ -636,6 +648,19 @@ class Launcher:
             what,
         )
         return True
+
+    def _own_error(self, w: Worker, status: int, what: str) -> str | None:
+        """How `w` ended, where that was an error of its own: a non-zero exit (not a signal,
+        not `EXIT_EVICTED`) of a member of the latest decision that nobody had reported gone
+        before (the caller's report was the first). A rank that was suspected, left, or was
+        evicted with its replica exits because of the job's decision, not of its own error; one
+        killed by a signal is a fault the others recover from."""
+        if status <= 0 or status >= 128 or status == EXIT_EVICTED:
+            return None
+        d = self.job.last_decision()
+        if d is not None and w.rank not in d.members:
+            return None
+        return what
 
     def _stop_idle_spares(self) -> None:
         """Once every worker (and placed spare) has ended, the waiting spares are not needed. A
@@ -670,7 +695,21 @@ class Launcher:
                     describe_status(w.proc.returncode),
                 )
             judged = [w for w in judged if w not in killed]
-        return next((w.status for w in judged if w.status), 0) or 0
+        status = next((w.status for w in judged if w.status), 0) or 0
+        own = [w for w in self.workers if w.own_error is not None]
+        if status == 0 and own and not self.ignore_worker_errors:
+            w = own[0]
+            log.error(
+                "%s %d (pid %d) ended with an error of its own (%s) and the job went on without it: "
+                "exit status %d (--ignore-worker-errors: 0)",
+                "spare" if w.spare else "worker",
+                w.rank,
+                w.proc.pid,
+                w.own_error,
+                w.status,
+            )
+            status = w.status or 1
+        return status
 
     def _node_done(self) -> None:
         """Node 0 hosts the store: it waits for every other node on the ring -- initial, or a

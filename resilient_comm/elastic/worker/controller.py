@@ -466,7 +466,7 @@ class Controller(Evidence):
         with self._lock:
             groups = list(self._held)
         self._detector.progress(self.next_step, "recovery")
-        self._abort(groups, f"recovering from {tl.cause}")
+        self._abort_held(groups, f"recovering from {tl.cause}", again=True)
         tl.mark("aborted")
         self._emit("recovery.aborted")
         deadline = time.monotonic() + self._timeout.total_seconds()
@@ -495,7 +495,7 @@ class Controller(Evidence):
                 cause = e  # a failure during the rebuild or the state copy: on to the next epoch
                 with self._lock:
                     groups = list(self._held)
-                self._abort(groups, f"rebuild of epoch {decision.epoch} failed")
+                self._abort_held(groups, f"rebuild of epoch {decision.epoch} failed", again=True)
         if decision.failed_at:
             tl.mark("failure", min(tl.t["failure"], decision.failed_at))
         self._timelines.restored(tl, decision)
@@ -542,7 +542,7 @@ class Controller(Evidence):
     def _build(self, d: Decision, base: Decision | None) -> None:
         """Make `d`'s world and dp/tp/pp groups and verify them with one collective each."""
         with self._lock:
-            old, self._held, self._watching = self._held, [], set(d.members)
+            old, self._watching = self._take_held(), set(d.members)
         self.applied_epoch, self._decision, self._ready = d.epoch, d, False
         self.gray.forget(d.members)  # the replicas, their shards and the members may have changed
         self._resolve_state()

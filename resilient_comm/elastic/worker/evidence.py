@@ -39,6 +39,7 @@ class Evidence:
         self.rank = rank
         self._lock = threading.Lock()
         self._held: list[Any] = []  # what a failure aborts (`_abort`)
+        self._aborting: list[Any] = []  # those of `_held` an abort was started for (`_abort_held`)
         self._watching: set[int] = set(members)  # ranks whose loss concerns this member
         self._evidence: dict[int, Gone] = {}
         self._detected_at: float | None = None
@@ -49,6 +50,24 @@ class Evidence:
     def _abort(self, held: list[Any], reason: str) -> None:
         raise NotImplementedError
 
+    def _abort_held(self, held: list[Any], reason: str, *, again: bool = False) -> None:
+        """Abort those of `held` that no abort was started for yet (all of them where `again`:
+        the training thread goes on only once what it holds is aborted). An abort is idempotent
+        but not free: under load the gone event's abort of the groups the training thread had
+        just aborted kept the detector thread from the agent's next message -- the answer to
+        the join -- for 2-5 ms."""
+        with self._lock:
+            fresh = [h for h in held if again or not any(h is a for a in self._aborting)]
+            self._aborting += [h for h in fresh if not any(h is a for a in self._aborting)]
+        if fresh:
+            self._abort(fresh, reason)
+
+    def _take_held(self) -> list[Any]:
+        """What this member held until now; it holds nothing after (a rebuild's or a restart's
+        start). Called under the lock."""
+        old, self._held, self._aborting = self._held, [], []
+        return old
+
     def _hold(self, held: Any, members: Collection[int]) -> None:
         """Hold `held` (a process group, a backend) for a failure to abort; abort it at once
         where one of `members` is gone already, or this member was fenced or lost the store."""
@@ -57,7 +76,7 @@ class Evidence:
             doomed = sorted(r for r in self._evidence if r in members)
             reason = self._fenced or self._fatal
         if doomed or reason:
-            self._abort([held], reason or f"rank(s) {doomed} gone while the group was being made")
+            self._abort_held([held], reason or f"rank(s) {doomed} gone while the group was being made")
 
     def _note(self, g: Gone) -> None:
         """Called under the lock with every report, watched or not."""
@@ -84,7 +103,7 @@ class Evidence:
             guard.daemon = True
             guard.start()
             return
-        self._abort(held, f"rank {g.rank} is gone ({g.kind}: {g.detail}, reported by {g.by})")
+        self._abort_held(held, f"rank {g.rank} is gone ({g.kind}: {g.detail}, reported by {g.by})")
 
     LEFT_GRACE_S = 2.0
 
@@ -95,7 +114,7 @@ class Evidence:
         with self._lock:
             if self._finished or self._evidence.get(g.rank) is not g:
                 return
-        self._abort(
+        self._abort_held(
             held, f"rank {g.rank} left ({g.detail}, reported by {g.by}) and this member has not recovered"
         )
 
@@ -103,13 +122,13 @@ class Evidence:
         with self._lock:
             self._fenced = reason
             held = list(self._held)
-        self._abort(held, f"fenced: {reason}")
+        self._abort_held(held, f"fenced: {reason}")
 
     def _on_store_lost(self, reason: str) -> None:
         with self._lock:
             self._fatal = reason
             held = list(self._held)
-        self._abort(held, reason)
+        self._abort_held(held, reason)
 
     def _check_fatal(self) -> None:
         """Leave if the node was fenced (`Evicted`) or the store is gone (`RecoveryError`)."""

@@ -43,6 +43,7 @@ import datetime
 import functools
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
@@ -163,8 +164,10 @@ class Restarter(Evidence):
             }
         )
         resilient_comm.BackendCreation.prefix = f"rc-incarnation/{d.epoch}/"
+        reset_framework_state()
         with self._lock:
-            self._watching, self._held = set(d.members), []
+            self._watching = set(d.members)
+            self._take_held()
         self._detector.set_members(d.members, 0)
         self._detector.progress(d.epoch, "run")
         if tl is not None:
@@ -186,14 +189,14 @@ class Restarter(Evidence):
     def _teardown(self, reason: str) -> None:
         with self._lock:
             backends = list(self._held)
-        self._abort(backends, reason)
+        self._abort_held(backends, reason, again=True)
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()  # every group of the script's incarnation
             except Exception as e:
                 log.warning("rank %d: destroying the process groups after a failure: %s", self.rank, e)
         with self._lock:
-            self._held = []
+            self._take_held()
 
     def _recover(self, cause: BaseException) -> Timeline:
         """Unwound from `cause`: tear down, agree on the next membership; the timeline so far."""
@@ -264,6 +267,18 @@ class Restarter(Evidence):
         return self._wait_all_done(finished.done)
 
 
+def reset_framework_state() -> None:
+    """Forget the process-wide state that training frameworks keep of the last incarnation's
+    world, before the script runs again: Accelerate's ``PartialState``, ``AcceleratorState``
+    and ``GradientState`` (singletons holding the old world size, rank and process group; a
+    new ``Accelerator`` would otherwise reuse them). Only where the script imported them:
+    nothing is imported here. (Lightning keeps no such state: `integrations.lightning`.)"""
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+        state.GradientState._reset_state()
+
+
 @overload
 def restartable(fn: Callable[..., R]) -> Callable[..., R]: ...
 @overload
@@ -300,4 +315,4 @@ def restartable(
     return wrap(fn) if fn is not None else wrap
 
 
-__all__ = ["Restarter", "restartable"]
+__all__ = ["Restarter", "reset_framework_state", "restartable"]
