@@ -17,8 +17,9 @@ Stock Lightning ties three things to the launch's layout that an in-process rest
   process's ``LOCAL_RANK`` (its launch slot) on purpose: on a GPU it names the device the
   process owns -- its CUDA context, its memory, its NCCL communicator -- and a restart must not
   move it to a dead rank's device. So ``devices`` must be the node's devices (the launch's
-  ``--nproc-per-node``, ``LOCAL_WORLD_SIZE``), not the world size; on the CPU every process's
-  device is ``cpu`` whatever its slot (a script that passes ``devices=WORLD_SIZE`` works there).
+  ``--nproc-per-node``, ``LOCAL_WORLD_SIZE``, plus its ``--spares``: a hot spare's slot is
+  ``nproc + j``), not the world size; on the CPU every process's device is ``cpu`` whatever
+  its slot (a script that passes ``devices=WORLD_SIZE`` works there).
 - ``DDPStrategy.distributed_sampler_kwargs`` shards the data by ``num_nodes * devices``: after a
   shrink that leaves shards nobody reads. `ResilientDDPStrategy` shards by the world as it is.
 
@@ -77,7 +78,7 @@ class ResilientDDPStrategy(DDPStrategy):
             raise ValueError(
                 f"this process owns device slot {slot} of its node (LOCAL_RANK) but the Trainer has "
                 f"devices={len(self.parallel_devices)}: pass the node's devices (LOCAL_WORLD_SIZE, "
-                f"{os.environ.get('LOCAL_WORLD_SIZE', '?')}), not the world size"
+                f"{os.environ.get('LOCAL_WORLD_SIZE', '?')}, plus the node's --spares), not the world size"
             )
         return self.parallel_devices[slot]
 
