@@ -37,7 +37,7 @@ if ! "$VPY" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0]
   "${PIP[@]}" "torch==$TORCH_VERSION"
 fi
 # ruff and mypy pinned: CI fails on their findings, so a new release must not move the bar.
-"${PIP[@]}" "setuptools>=64" wheel cmake ninja "pytest>=7" "pytest-timeout>=2" expecttest numpy matplotlib "etcd3gw>=2.4" "prometheus_client>=0.17" ruff==0.17.6 mypy==2.4.1
+"${PIP[@]}" "setuptools>=64" wheel cmake ninja "pytest>=7" "pytest-timeout>=2" expecttest pyyaml numpy matplotlib "etcd3gw>=2.4" "prometheus_client>=0.17" ruff==0.17.6 mypy==2.4.1
 # torchft (the pin of pyproject's `bench` extra) for the suite's tests of `bench compare`'s
 # torchft row and of torchft's own native-group test on our backends (which needs its test
 # dependency parameterized), on the suite's torch; pure Python, it leaves torch as it is.

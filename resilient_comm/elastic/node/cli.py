@@ -1,6 +1,6 @@
-"""``resilient-run``'s command line: the flags (torchrun's, plus ours), the defaults a Slurm step
-gives (`slurm`), the health check before the node joins (`health`), and the `Launcher` they
-make (`launcher`)."""
+"""``resilient-run``'s command line: the flags (torchrun's, plus ours), their defaults from
+torchrun's ``PET_*`` variables (`torchrun_env`) and from a Slurm step (`slurm`), the health
+check before the node joins (`health`), and the `Launcher` they make (`launcher`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-from resilient_comm.elastic.node import rendezvous, slurm
+from resilient_comm.elastic.node import rendezvous, slurm, torchrun_env
 from resilient_comm.elastic.node.connection import StoreError
 from resilient_comm.elastic.node.health import (
     DEFAULT_PERIOD_S,
@@ -84,13 +84,15 @@ def parser() -> argparse.ArgumentParser:
         description="A torchrun-compatible launcher: hosts the job's store, reports a "
         "worker's exit at once, never kills the survivors.",
     )
-    # Under srun, a flag left at None takes its value from the Slurm step (node/slurm.py).
+    # Every flag's default is PET_<DEST> where set (node/torchrun_env.py); under srun, a flag
+    # left at None takes its value from the Slurm step (node/slurm.py).
     p.add_argument(
         "--nproc-per-node",
         "--nproc_per_node",
-        type=int,
+        type=torchrun_env.nproc_per_node,
         default=None,
-        help="workers per node (default 1; under srun: the GPUs Slurm bound to the task, if any)",
+        help="workers per node: N, or torchrun's gpu, cpu, auto (default 1; under srun: the GPUs Slurm "
+        "bound to the task, if any)",
     )
     p.add_argument(
         "--nnodes",
@@ -279,9 +281,15 @@ def main(argv: list[str] | None = None) -> int:
     launcher: Launcher | None = None
     try:
         p = parser()
+        try:  # torchrun's rule: PET_<DEST> is each flag's default (Kubeflow Trainer sets five)
+            pet = torchrun_env.apply_defaults(p, os.environ)
+        except torchrun_env.TorchrunEnvError as e:
+            print(f"resilient-run: {e}", file=sys.stderr)
+            return 2
         a = p.parse_args(argv)
         logging.basicConfig(level=logging.INFO, format="[resilient-run] %(message)s", stream=sys.stderr)
-        try:  # a task of an srun step: the flags not given come from Slurm's environment
+        torchrun_env.finish(a, pet)
+        try:  # a task of an srun step: the flags still not given come from Slurm's environment
             slurm.apply_defaults(a, os.environ)
         except slurm.SlurmError as e:
             print(f"resilient-run: {e}", file=sys.stderr)
