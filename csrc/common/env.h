@@ -71,7 +71,21 @@ namespace resilient_comm::env {
   X(kFingerprintEvery, "RESILIENT_COMM_FINGERPRINT_EVERY", "100",                                \
     "elastic: the dp replicas compare a fingerprint of their state every this many steps (0: never)") \
   X(kPaceWindow, "RESILIENT_COMM_PACE_WINDOW", "0",                                            \
-    "elastic: fail-slow detection compares the members' compute every this many steps (0: off; try 20)")
+    "elastic: fail-slow detection compares the members' compute every this many steps (0: off; try 20)") \
+  X(kEtcdProtocol, "RESILIENT_COMM_ETCD_PROTOCOL", "",                                          \
+    "elastic, etcd: http or https (default: https when the endpoints say https:// or a TLS file is set)") \
+  X(kEtcdCacert, "RESILIENT_COMM_ETCD_CACERT", "",                                              \
+    "elastic, etcd: CA bundle (PEM) etcd's certificate must chain to (default: the system's); --rdzv-conf cacert=") \
+  X(kEtcdCert, "RESILIENT_COMM_ETCD_CERT", "",                                                  \
+    "elastic, etcd: client certificate (PEM, with no CN: docs/security.md); --rdzv-conf cert=")  \
+  X(kEtcdKey, "RESILIENT_COMM_ETCD_KEY", "",                                                    \
+    "elastic, etcd: the client certificate's private key (PEM); --rdzv-conf key=")               \
+  X(kEtcdUser, "RESILIENT_COMM_ETCD_USER", "",                                                  \
+    "elastic, etcd: the etcd user the job logs in as, on a cluster with auth enabled; --rdzv-conf user=") \
+  X(kEtcdPasswordFile, "RESILIENT_COMM_ETCD_PASSWORD_FILE", "",                                 \
+    "elastic, etcd: file holding that user's password (workers get its path); --rdzv-conf password_file=") \
+  X(kEtcdPassword, "RESILIENT_COMM_ETCD_PASSWORD", "",                                          \
+    "elastic, etcd: that user's password, where no file is given (never a flag; never logged or stored)")
 
 enum class Knob {
 #define RC_KNOB_ENUM(id, name, dflt, doc) id,

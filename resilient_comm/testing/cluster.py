@@ -22,16 +22,26 @@ import signal
 import subprocess
 import sys
 import time
-from typing import IO, Any, Self
+from typing import IO, TYPE_CHECKING, Any, Self
+
+from resilient_comm.testing.secure_etcd import member_flags
+
+if TYPE_CHECKING:
+    from resilient_comm.elastic.membership.etcd.security import EtcdSecurity
+    from resilient_comm.testing.secure_etcd import Certs
 
 NET = 77  # 10.77.<tag>.0/24
 _made = 0  # clusters made by this process (each gets its own tag)
 
 
-def etcd_command(i: int, members: dict[int, tuple[str, int, int]], workdir: str, token: str) -> list[str]:
-    """Member i of a new etcd cluster of `members` (id -> address, client port, peer port)."""
+def etcd_command(
+    i: int, members: dict[int, tuple[str, int, int]], workdir: str, token: str, tls: Certs | None = None
+) -> list[str]:
+    """Member i of a new etcd cluster of `members` (id -> address, client port, peer port);
+    with `tls`, its clients speak TLS and present a certificate of that CA (`secure_etcd`)."""
     a, client, peer = members[i]
     cluster = ",".join(f"e{j}=http://{h}:{pp}" for j, (h, _, pp) in members.items())
+    scheme = "https" if tls else "http"
     return [
         "etcd",
         "--name",
@@ -39,9 +49,9 @@ def etcd_command(i: int, members: dict[int, tuple[str, int, int]], workdir: str,
         "--data-dir",
         os.path.join(workdir, f"etcd{i}"),
         "--listen-client-urls",
-        f"http://{a}:{client}",
+        f"{scheme}://{a}:{client}",
         "--advertise-client-urls",
-        f"http://{a}:{client}",
+        f"{scheme}://{a}:{client}",
         "--listen-peer-urls",
         f"http://{a}:{peer}",
         "--initial-advertise-peer-urls",
@@ -56,14 +66,15 @@ def etcd_command(i: int, members: dict[int, tuple[str, int, int]], workdir: str,
         "100",
         "--election-timeout",
         "1000",
+        *(member_flags(tls) if tls else []),
     ]
 
 
-def wait_etcd(endpoints: str, timeout_s: float) -> None:
+def wait_etcd(endpoints: str, timeout_s: float, security: EtcdSecurity | None = None) -> None:
     """Until the cluster at `endpoints` answers a write (a quorum formed)."""
     from resilient_comm.elastic.membership.etcd.store import EtcdStore
 
-    store = EtcdStore(endpoints, datetime.timedelta(seconds=timeout_s))
+    store = EtcdStore(endpoints, datetime.timedelta(seconds=timeout_s), security)
     deadline = time.monotonic() + timeout_s
     while True:
         try:

@@ -41,7 +41,7 @@ def _log(d: pathlib.Path, rank: int) -> str:
 
 
 def _run(tmp: pathlib.Path, kind: str, nproc: int, *, in_process: bool = True, env: dict[str, str] | None = None,
-         kill_at: int | None = None) -> tuple[subprocess.CompletedProcess, float | None]:
+         kill_at: int | None = None, spares: int = 0) -> tuple[subprocess.CompletedProcess, float | None]:
     """Run the framework's script on `nproc` ranks; SIGKILL rank 1 once it logged step
     `kill_at`. Returns the launcher's result and the time of the kill."""
     _, text, p = SCRIPTS[kind]
@@ -52,7 +52,7 @@ def _run(tmp: pathlib.Path, kind: str, nproc: int, *, in_process: bool = True, e
     (tmp / "out").mkdir(exist_ok=True)
     full = dict(os.environ, **{f"{p}_CKPT": str(tmp / "ck"), f"{p}_OUT": str(tmp / "out"), f"{p}_STEPS": str(STEPS),
                                f"{p}_SLEEP_S": "0.05"}, **(env or {}))
-    cmd = [*LAUNCHER, "--nproc-per-node", str(nproc), "--log-dir", str(tmp / "logs"),
+    cmd = [*LAUNCHER, "--nproc-per-node", str(nproc), "--spares", str(spares), "--log-dir", str(tmp / "logs"),
            *(["--in-process"] if in_process else []), str(script)]
     proc = subprocess.Popen(cmd, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     t_kill = None
@@ -74,31 +74,36 @@ def _run(tmp: pathlib.Path, kind: str, nproc: int, *, in_process: bool = True, e
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["lightning", "accelerate"])
+@pytest.mark.parametrize("kind,spares", [("lightning", 0), ("lightning", 1), ("accelerate", 0)])
 def test_a_frameworks_script_loses_a_rank_and_ends_as_a_fault_free_run_from_its_checkpoint(
-        tmp_path: pathlib.Path, kind: str) -> None:
+        tmp_path: pathlib.Path, kind: str, spares: int) -> None:
+    """Without a spare the world shrinks to 2 (launch ranks 0 and 2 become 0 and 1); with one
+    (``--spares 1``: its log is 3) the spare takes rank 1's place and the world stays 3."""
     _needs(SCRIPTS[kind][0])
-    out, t_kill = _run(tmp_path / "faulty", kind, 3, kill_at=10)
+    out, t_kill = _run(tmp_path / "faulty", kind, 3, kill_at=10, spares=spares)
     assert out.returncode == 0, out.stderr
     assert t_kill is not None and re.search(r"worker 1 \(pid \d+\): killed by SIGKILL", out.stderr), out.stderr
+    world = 3 if spares else 2
     firsts, resumes = [], set()
-    for old, new in ((0, 0), (2, 1)):
+    for old, new in ((0, 0), (3, 1), (2, 2)) if spares else ((0, 0), (2, 1)):
         text = _log(tmp_path / "faulty", old)
         assert len(set(re.findall(r"pid=(\d+)", text))) == 1, f"rank {old} ran in one process:\n{text}"
-        assert f"[rank {new}] DONE step={STEPS} world=2" in text, text
-        resumes |= set(re.findall(r"start world=2 pid=\d+ resume=(\S+)", text))
-        after = [float(t) for t in re.findall(r"step=\d+ world=2 t=([\d.]+)", text)]
+        assert f"[rank {new}] DONE step={STEPS} world={world}" in text, text
+        resumes |= set(re.findall(rf"start world={world} pid=\d+ resume=(\S+)", text)) - {"None"}
+        restarted = text[text.rindex(" resume="):]  # the incarnation after the kill (a spare's only one)
+        after = [float(t) for t in re.findall(rf"step=\d+ world={world} t=([\d.]+)", restarted)]
         assert after and after[0] > t_kill, text
         firsts.append(after[0])
-    assert len(resumes) == 1 and resumes != {"None"}, f"both survivors resume from one checkpoint: {resumes}"
+    assert len(resumes) == 1, f"every member resumes from one checkpoint: {resumes}"
     took = max(firsts) - t_kill
-    print(f"{kind}: SIGKILL -> first step after the in-process restart on every survivor: {1e3 * took:.0f} ms "
-          f"(a step is 50 ms here), resumed from {resumes}")
-    assert took < 10.0, f"{took:.1f} s"
+    print(f"{kind}{' with a spare' if spares else ''}: SIGKILL -> first step after the in-process restart on "
+          f"every member: {1e3 * took:.0f} ms (a step is 50 ms here), resumed from {resumes}")
+    # ~0.1-0.16 s here; a spare that imported the framework only once placed took 1.9 s.
+    assert took < 1.5, f"{took:.2f} s"
     p = SCRIPTS[kind][2]
-    ref, _ = _run(tmp_path / "reference", kind, 2, in_process=False, env={f"{p}_RESUME": resumes.pop()})
+    ref, _ = _run(tmp_path / "reference", kind, world, in_process=False, env={f"{p}_RESUME": resumes.pop()})
     assert ref.returncode == 0, ref.stderr
-    for r in (0, 1):
+    for r in range(world):
         got = torch.load(tmp_path / "faulty" / "out" / f"final-{r}.pt")
         want = torch.load(tmp_path / "reference" / "out" / f"final-{r}.pt")
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got), \

@@ -598,3 +598,17 @@ def test_a_report_of_a_death_does_not_abort_again_what_the_training_thread_abort
     m._held = [a]  # (the same object again: aborted afresh after a rebuild)
     m._on_gone(Gone(2, "exit", "killed by SIGKILL", time.time(), "launcher"))
     assert m.aborted[-1] == [a], m.aborted
+
+
+def test_a_spare_warms_up_the_scripts_top_level_imports_and_only_those() -> None:
+    """`inprocess_main.warm_imports`: a spare under --in-process imports what the script imports
+    at its top level (under if/try too) while it waits; not what a function imports, not a
+    relative import; a module that fails to import is left for the script to report."""
+    from resilient_comm.elastic.worker.inprocess_main import top_level_imports, warm_imports
+
+    src = ("import os, json as j\ntry:\n    import numpy as np\nexcept ImportError:\n    import nothing_here\n"
+           "if True:\n    from email.mime import text\nelse:\n    import zipfile\n"
+           "def main():\n    import tarfile\nfrom . import sibling\nimport os\n")
+    assert top_level_imports(src) == ["os", "json", "numpy", "email.mime", "zipfile"]
+    warm_imports("/nonexistent/script.py", module=False)  # logged, nothing raised
+    warm_imports("no_such_module_anywhere", module=True)

@@ -371,7 +371,8 @@ def join_poll_cap_s(members: int) -> float:
 
 def connect(spec: str, timeout: datetime.timedelta) -> dist.Store:
     """A client of the job's store: ``host:port`` (the launcher's TCPStore) or
-    ``etcd://h1:p1,h2:p2`` (an etcd cluster)."""
+    ``etcd://h1:p1,h2:p2`` (an etcd cluster; TLS and the login from the ``RESILIENT_COMM_ETCD_*``
+    knobs, which ``resilient-run`` sets in its workers: `etcd.security`)."""
     if spec.startswith("etcd://"):
         from resilient_comm.elastic.membership.etcd.store import EtcdStore
 

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+from resilient_comm.elastic.membership.etcd import security as etcd_security
 from resilient_comm.elastic.node import rendezvous, slurm, torchrun_env
 from resilient_comm.elastic.node.connection import StoreError
 from resilient_comm.elastic.node.health import (
@@ -32,18 +33,28 @@ T = TypeVar("T")
 
 
 def _rdzv_conf(text: str) -> dict[str, float]:
-    """``--rdzv-conf``'s settings (torchrun's spelling): join_timeout=S; others are refused."""
+    """``--rdzv-conf``'s settings (torchrun's spelling): join_timeout=S, and etcd's TLS and login
+    (`etcd.security.CONF`), which go into this process's environment as their knobs (its
+    workers inherit them); others are refused."""
     out: dict[str, float] = {}
+    etcd: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
+        if key in (*etcd_security.CONF, "password") and sep:
+            etcd[key] = value
+            continue
         if key != "join_timeout" or not sep:
-            raise ValueError(f"--rdzv-conf {text!r}: known settings: join_timeout=SECONDS (got {item!r})")
+            raise ValueError(
+                f"--rdzv-conf {text!r}: known settings: join_timeout=SECONDS, "
+                f"{'=, '.join(etcd_security.CONF)}= (got {item!r})"
+            )
         try:
             out[key] = float(value)
         except ValueError:
             raise ValueError(f"--rdzv-conf {item!r}: {key} takes seconds") from None
         if out[key] <= 0:
             raise ValueError(f"--rdzv-conf {item!r}: {key} must be positive")
+    os.environ.update(etcd_security.conf_env(etcd))
     return out
 
 
@@ -116,7 +127,8 @@ def parser() -> argparse.ArgumentParser:
         default="",
         metavar="KEY=VALUE,...",
         help=f"rendezvous settings, as torchrun's: join_timeout=S (default {JOIN_TIMEOUT_S:g}): how long a "
-        "node waits for the job's MIN nodes before it fails",
+        "node waits for the job's MIN nodes before it fails; etcd's protocol=https, cacert=, cert=, key=, "
+        "user=, password_file= (docs/security.md)",
     )
     p.add_argument(
         "--rdzv-endpoint", "--rdzv_endpoint", default="", help="host:port of the store (node 0 hosts it)"

@@ -1,7 +1,8 @@
 """How a node reaches its job: the job's store -- a c10d TCPStore that node 0 hosts and the
 others reach as clients, or an etcd cluster that nobody hosts -- the node's place from the
 rendezvous when it has no ``--node-rank``, and what its workers are handed to reach the job: the
-store's address, the address they publish for their own connections, and the job token.
+store's address (with etcd's TLS and login settings: `etcd.security`), the address they publish
+for their own connections, and the job token.
 
 Runs in the node agent process (``resilient-run``), made once by its `Launcher`.
 """
@@ -16,6 +17,7 @@ import socket
 
 import torch.distributed as dist
 
+from resilient_comm.elastic.membership.etcd.store import EtcdStore
 from resilient_comm.elastic.membership.protocol import Membership, connect
 from resilient_comm.elastic.model.env import ENV_STORE, ENV_TOKEN
 from resilient_comm.elastic.node import rendezvous
@@ -31,24 +33,31 @@ class JobConnection:
     """The job's store as this node reaches it (`store`: the launcher's loop's; any other thread
     takes a `client()` of its own), whether this node hosts it, its address, and the job token.
     Making one connects (a client waits for the store up to `timeout`); a store that cannot be
-    hosted or reached is a `StoreError`."""
+    hosted or reached, or a secured etcd that refuses this node, is a `StoreError`."""
 
     def __init__(
-        self, backend: str, endpoint: str, node_rank: int | None, timeout: datetime.timedelta, nodes: int
+        self,
+        backend: str,
+        endpoint: str,
+        node_rank: int | None,
+        timeout: datetime.timedelta,
+        nodes: int,
+        run_id: str | None = None,
     ) -> None:
         """`node_rank` None: this node hosts the c10d store if it can bind `endpoint` first;
         `nodes`: the most nodes the job may have (one node makes its own token, and publishes
-        no address)."""
+        no address); `run_id`: the job's, whose keys (``rc/{run_id}/``) a secured etcd must
+        let this node read and write (checked here, before the node takes a place)."""
         if backend not in ("c10d", "etcd"):
             raise ValueError(f"--rdzv-backend {backend!r}: c10d (node 0 hosts a TCPStore) or etcd")
         self.backend = backend
         if backend == "etcd":
-            from resilient_comm.elastic.membership.etcd.store import EtcdStore
-
             etcd = EtcdStore(endpoint, timeout)  # every node is a client: nobody hosts it
             self.store: dist.Store = etcd
             self.hosts, (self.host, self.port) = False, etcd.endpoints[0]
             self.spec = f"etcd://{endpoint}"
+            if run_id is not None and (etcd.security.tls or etcd.security.user):
+                self._check_etcd(etcd, f"rc/{run_id}/")
         else:
             self.store, self.hosts = self._tcp_store(endpoint, node_rank, timeout)
             self.spec = f"{self.host}:{self.port}"
@@ -66,6 +75,24 @@ class JobConnection:
         # The address this node's workers publish for TCP connections: the one it reaches the
         # store from (the host name's address can be another interface's, or loopback).
         self.local_addr = _local_address(self.host) if nodes > 1 else None
+
+    def _check_etcd(self, etcd: EtcdStore, prefix: str) -> None:
+        """A secured cluster's refusal of this node (its certificate, its login, its role's
+        permissions on the job's prefix) as a `StoreError` that names it, at start-up, rather
+        than from the first thread that touches the store."""
+        from resilient_comm.elastic.membership.etcd.security import EtcdAccessError
+
+        try:
+            etcd.check_access(prefix)
+        except EtcdAccessError as e:
+            raise StoreError(
+                f"the job's store at {self.spec} refused this node ({etcd.security.describe()}): {e}"
+            ) from e
+        except dist.DistError as e:
+            raise StoreError(f"could not reach the job's store at {self.spec}: {e}") from e
+        log.info(
+            "the job's store at %s: %s, access to %s checked", self.spec, etcd.security.describe(), prefix
+        )
 
     def _tcp_store(
         self, endpoint: str, node_rank: int | None, timeout: datetime.timedelta
@@ -117,8 +144,11 @@ class JobConnection:
 
     def worker_env(self) -> dict[str, str]:
         """What a worker reaches the job with: the store's address (and torchrun's agent store on
-        c10d; with etcd there is no TCPStore to point at), the token, the address to publish."""
+        c10d; with etcd there is no TCPStore to point at, but its TLS and login settings, the
+        password as its file's path: `EtcdSecurity.worker_env`), the token, the address to publish."""
         env = {ENV_STORE: self.spec}
+        if isinstance(self.store, EtcdStore):
+            env.update(self.store.security.worker_env())
         if self.backend == "c10d":
             env.update(
                 {

@@ -320,7 +320,7 @@ class Launcher:
             raise ValueError("--max-restarts needs a single node (restarting several nodes is not supported)")
         if node_rank is not None:  # a static layout is checked before any store is reached
             _check_place(node_rank, nnodes, max_nodes, nproc, spares, max_spare_starts)
-        self.conn = JobConnection(rdzv_backend, endpoint, node_rank, store_timeout, max_nodes)
+        self.conn = JobConnection(rdzv_backend, endpoint, node_rank, store_timeout, max_nodes, self.run_id)
         self.store = self.conn.store
         if node_rank is None:
             node_rank = self.conn.claim(self.run_id, nnodes, max_nodes) if self.assigned else 0

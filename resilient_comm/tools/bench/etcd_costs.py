@@ -3,6 +3,7 @@ on loopback), in etcd CPU per request.
 
     resilient-comm bench etcd-costs                  # 1,024 requests of each kind, 3 rounds
     resilient-comm bench etcd-costs --requests 4096 --watchers 1024
+    resilient-comm bench etcd-costs --tls             # and the same on a secured cluster
 
 The requests are the ones the control plane makes (`etcd.EtcdStore`, the JSON gateway):
 
@@ -24,11 +25,17 @@ members' CPU time (utime + stime from /proc) over the requests made: the median 
 ``--rounds`` rounds, and its ratio to a plain put measured in the same run. This machine's
 cores are shared by the clients and the members, so the figure is what a failure's requests
 cost the cluster, not how fast one member is.
+
+``--tls`` measures the same on a second cluster, secured as production clusters are
+(`testing.secure_etcd`: TLS on the client URLs, a client certificate required, auth enabled,
+the clients logged in as a user whose role covers ``cost/`` only), after the plain one, and
+prints the ratio of each figure to the plain cluster's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -44,11 +51,17 @@ KINDS = ("put", "txn-1", "txn-8", "txn-batch", "get", "keepalive", "fan-out")
 THREADS = 8
 
 
-def _client(spec: str, idx: int, watchers: int, conn: Any) -> None:
+def _client(spec: str, idx: int, watchers: int, conn: Any, env: dict[str, str]) -> None:
+    """A client process; `env`: the cluster's TLS and login knobs (`EtcdSecurity.worker_env`)."""
+    from resilient_comm.elastic.membership.etcd.security import EtcdSecurity
     from resilient_comm.elastic.membership.etcd.store import EtcdStore
     from resilient_comm.elastic.membership.etcd.watch import PrefixWatch
 
-    st = EtcdStore(own_member_first(spec, idx).removeprefix("etcd://"), datetime.timedelta(seconds=60))
+    st = EtcdStore(
+        own_member_first(spec, idx).removeprefix("etcd://"),
+        datetime.timedelta(seconds=60),
+        EtcdSecurity.from_env(env),
+    )
     stores = [st.clone() for _ in range(THREADS)]
     watches = [PrefixWatch(st, "cost/events/", 600.0) for _ in range(watchers)]
     leases = [s.grant(600) for s in stores]
@@ -102,31 +115,43 @@ def _client(spec: str, idx: int, watchers: int, conn: Any) -> None:
         conn.send("done")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="resilient-comm bench etcd-costs", description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=1024, help="requests of each kind per round (all clients)")
-    p.add_argument("--watchers", type=int, default=512, help="watch streams for fan-out (all clients)")
-    p.add_argument("--procs", type=int, default=4, help="client processes")
-    p.add_argument("--rounds", type=int, default=3)
-    a = p.parse_args(argv)
-    ctx = mp.get_context("spawn")
-    rows: dict[str, list[tuple[float, float, float]]] = {
-        k: [] for k in KINDS
-    }  # (etcd ms/req, client ms/req, s)
-    print(
-        f"etcd request costs: {a.requests} requests of each kind, {a.watchers} watchers, {a.procs} client "
-        f"processes x {THREADS} threads, {a.rounds} rounds",
-        flush=True,
-    )
-    with etcd_cluster() as (spec, spids):
-        from resilient_comm.elastic.membership.etcd.store import EtcdStore
+Rows = dict[str, list[tuple[float, float, float]]]  # kind -> per round (etcd ms/req, client ms/req, s)
 
-        admin = EtcdStore(spec.removeprefix("etcd://"), datetime.timedelta(seconds=60))
+
+def _measure(a: argparse.Namespace, tls: bool) -> Rows:
+    """Every kind's figures on a new cluster (secured with `tls`), a.rounds times."""
+    import tempfile
+
+    from resilient_comm.elastic.membership.etcd.security import EtcdSecurity
+    from resilient_comm.elastic.membership.etcd.store import EtcdStore
+    from resilient_comm.testing import secure_etcd
+
+    ctx = mp.get_context("spawn")
+    rows: Rows = {k: [] for k in KINDS}
+    with contextlib.ExitStack() as stack:
+        security, certs = EtcdSecurity(), None
+        if tls:
+            if (why := secure_etcd.why_not()) is not None:
+                raise SystemExit(f"etcd-costs --tls: {why}")
+            d = stack.enter_context(tempfile.TemporaryDirectory(prefix="rc-bench-certs-"))
+            certs = secure_etcd.make_certs(d)
+        spec, spids = stack.enter_context(etcd_cluster(tls=certs))
+        if certs is not None:
+            endpoints = spec.removeprefix("etcd://")
+            secure_etcd.enable_auth(endpoints, certs, "bench-root", {"bench": ("bench-pw", ["cost/"])})
+            security = certs.security(
+                "job", "bench", secure_etcd.password_file(certs.directory, "bench", "bench-pw")
+            )
+        admin = EtcdStore(spec.removeprefix("etcd://"), datetime.timedelta(seconds=60), security)
         admin.set("cost/epoch", "2")  # every advance finds the epoch proposed, as all but the first member do
         pipes, procs = [], []
         for i in range(a.procs):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_client, args=(spec, i, a.watchers // a.procs, child), daemon=True)
+            proc = ctx.Process(
+                target=_client,
+                args=(spec, i, a.watchers // a.procs, child, security.worker_env()),
+                daemon=True,
+            )
             proc.start()
             pipes.append(parent)
             procs.append(proc)
@@ -159,20 +184,63 @@ def main(argv: list[str] | None = None) -> int:
                 took = time.monotonic() - t0
                 c1, d1 = cpu()
                 rows[kind].append((1e3 * (c1 - c0) / n, 1e3 * (d1 - d0) / n, took))
-            print(f"  round {r + 1} of {a.rounds} done", flush=True)
+            print(f"  {'TLS' if tls else 'plain'}: round {r + 1} of {a.rounds} done", flush=True)
         for pipe in pipes:
             pipe.send(("quit", None, None))
             pipe.poll(10)
-    base = statistics.median(e for e, _, _ in rows["put"])
+    return rows
+
+
+def _medians(rows: Rows, kind: str) -> tuple[float, float, float]:
+    return cast(
+        tuple[float, float, float], tuple(statistics.median(x[i] for x in rows[kind]) for i in range(3))
+    )
+
+
+def _x(value: float, plain: float) -> str:
+    """`value` as a multiple of the plain cluster's (a figure too small to measure: '-')."""
+    return f"{value / plain:.2f}" if plain > 0 else "-"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="resilient-comm bench etcd-costs", description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=1024, help="requests of each kind per round (all clients)")
+    p.add_argument("--watchers", type=int, default=512, help="watch streams for fan-out (all clients)")
+    p.add_argument("--procs", type=int, default=4, help="client processes")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="also measure a cluster with TLS, client certificates and auth (needs openssl), after the plain one",
+    )
+    a = p.parse_args(argv)
+    print(
+        f"etcd request costs: {a.requests} requests of each kind, {a.watchers} watchers, {a.procs} client "
+        f"processes x {THREADS} threads, {a.rounds} rounds",
+        flush=True,
+    )
+    plain = _measure(a, tls=False)
+    base = _medians(plain, "put")[0]
     print(
         f"{'request':>10} {'etcd CPU ms/req':>15} {'x put':>6} {'client CPU ms/req':>17} {'wall s/round':>12}"
     )
     for kind in KINDS:
-        e = statistics.median(x for x, _, _ in rows[kind])
-        c = statistics.median(x for _, x, _ in rows[kind])
-        w = statistics.median(x for _, _, x in rows[kind])
+        e, c, w = _medians(plain, kind)
         unit = " (per watcher)" if kind == "fan-out" else ""
         print(f"{kind:>10} {e:15.3f} {e / base:6.2f} {c:17.3f} {w:12.2f}{unit}")
+    if a.tls:
+        secured = _measure(a, tls=True)
+        print("TLS + client certificates + auth, against the plain cluster of the same run:")
+        print(
+            f"{'request':>10} {'etcd CPU ms/req':>15} {'x plain':>8} {'client CPU ms/req':>17} {'x plain':>8} "
+            f"{'wall s/round':>12} {'x plain':>8}"
+        )
+        for kind in KINDS:
+            (e0, c0, w0), (e, c, w) = _medians(plain, kind), _medians(secured, kind)
+            unit = " (per watcher)" if kind == "fan-out" else ""
+            print(
+                f"{kind:>10} {e:15.3f} {_x(e, e0):>8} {c:17.3f} {_x(c, c0):>8} {w:12.2f} {_x(w, w0):>8}{unit}"
+            )
     return 0
 
 

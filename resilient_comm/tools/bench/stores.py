@@ -11,7 +11,10 @@ import multiprocessing as mp
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from resilient_comm.testing.secure_etcd import Certs
 
 
 class CountingStore:
@@ -83,8 +86,10 @@ def tcpstore() -> Iterator[tuple[str, list[int]]]:
 
 
 @contextlib.contextmanager
-def etcd_cluster(members: int = 3) -> Iterator[tuple[str, list[int]]]:
-    """A 3-member etcd cluster on loopback (Debian's etcd-server): its spec and pids."""
+def etcd_cluster(members: int = 3, tls: Certs | None = None) -> Iterator[tuple[str, list[int]]]:
+    """A 3-member etcd cluster on loopback (Debian's etcd-server): its spec and pids. With
+    `tls`, its clients speak TLS and present a certificate of that CA (`testing.secure_etcd`;
+    its spec's endpoints say https://)."""
     import shutil
     import subprocess
     import tempfile
@@ -93,17 +98,21 @@ def etcd_cluster(members: int = 3) -> Iterator[tuple[str, list[int]]]:
 
     if shutil.which("etcd") is None:
         raise SystemExit("control-plane --store etcd needs the etcd binary (Debian: apt install etcd-server)")
-    ports = {i: ("127.0.0.1", 23790 + i, 23800 + i) for i in range(members)}
+    base = 23810 if tls else 23790  # (a TLS cluster started after a plain one finds its ports free)
+    ports = {i: ("127.0.0.1", base + i, base + 10 + i) for i in range(members)}
     with tempfile.TemporaryDirectory(prefix="rc-bench-etcd-") as d:
         ps = [
             subprocess.Popen(
-                etcd_command(i, ports, d, "rc-bench"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                etcd_command(i, ports, d, "rc-bench", tls=tls),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
             for i in ports
         ]
         try:
-            endpoints = ",".join(f"{h}:{c}" for h, c, _ in ports.values())
-            wait_etcd(endpoints, 60)
+            scheme = "https://" if tls else ""
+            endpoints = ",".join(f"{scheme}{h}:{c}" for h, c, _ in ports.values())
+            wait_etcd(endpoints, 60, tls.security() if tls else None)
             yield f"etcd://{endpoints}", [p.pid for p in ps]
         finally:
             for p in ps:

@@ -27,6 +27,9 @@ transports' bootstrap rely on:
   refreshing it; that deletion, seen by a watch, is the evidence of a lost node.
 
 The agents' long-lived watch streams (events, the ring successor's record) are in `etcd.watch`.
+A secured cluster (TLS, client certificates, etcd's login and roles: `etcd.security`) takes the
+same calls; its settings come from the ``RESILIENT_COMM_ETCD_*`` knobs unless given. A refusal
+of this client's access is an `EtcdAccessError`, raised at once.
 
 `EtcdStore` is a Python subclass of ``torch.distributed.Store``, so it can back a
 ``PrefixStore`` given to ``init_process_group`` (the C++ transports call it back). Start a
@@ -46,12 +49,24 @@ import json
 import logging
 import random
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
+
+from resilient_comm.elastic.membership.etcd.security import (
+    EtcdAccessError,
+    EtcdSecurity,
+    access_error,
+    etcd_message,
+    login_for,
+    split_scheme,
+    tls_error,
+    token_refused,
+)
 
 T = TypeVar("T")
 log = logging.getLogger("resilient_comm.etcd")
@@ -81,10 +96,9 @@ def _bytes(value: str | bytes) -> bytes:
 
 
 def parse_endpoints(text: str) -> list[tuple[str, int]]:
-    """'h1:2379,h2:2379' (a scheme is accepted and ignored) -> [(host, port), ...]."""
+    """'h1:2379,h2:2379' (a scheme is accepted: `split_scheme`) -> [(host, port), ...]."""
     out = []
-    for part in text.split(","):
-        part = part.strip().removeprefix("http://")
+    for part in split_scheme(text)[1].split(","):
         host, sep, port = part.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"bad etcd endpoint {part!r} in {text!r} (expected host:port[,host:port...])")
@@ -96,7 +110,8 @@ def parse_endpoints(text: str) -> list[tuple[str, int]]:
 
 class EtcdStore(dist.Store):
     """c10d Store semantics on an etcd cluster. One instance per thread that uses it (as a
-    c10d client); `clone()` makes another on the same endpoints."""
+    c10d client); `clone()` makes another on the same endpoints, with the same settings (and
+    the same login: `security.login_for`)."""
 
     watches_keys = True  # Membership.watches: waits are bounded watches; records may hold leases
     reads_prefixes = True  # Membership: a node's join records under a key of their own, read back by prefix
@@ -105,20 +120,42 @@ class EtcdStore(dist.Store):
         self,
         endpoints: str | list[tuple[str, int]],
         timeout: datetime.timedelta = datetime.timedelta(seconds=300),
+        security: EtcdSecurity | None = None,
     ) -> None:
+        """`endpoints`: 'h1:2379,h2:2379' (https:// before each: TLS) or (host, port) pairs;
+        `security`: TLS and login (default: the ``RESILIENT_COMM_ETCD_*`` knobs)."""
         super().__init__()
         import etcd3gw
 
+        scheme = split_scheme(endpoints)[0] if isinstance(endpoints, str) else None
+        if security is None:
+            security = EtcdSecurity.from_env(scheme=scheme)
+        elif scheme and scheme != security.protocol:
+            raise ValueError(
+                f"etcd endpoints {endpoints!r} say {scheme}://, the settings {security.protocol}"
+            )
+        self.security = security
+        self._login = login_for(security)
         self.endpoints = parse_endpoints(endpoints) if isinstance(endpoints, str) else list(endpoints)
-        self._http = [_Endpoint(h, p) for h, p in self.endpoints]  # the unary requests
+        self._http = [_Endpoint(h, p, security) for h, p in self.endpoints]  # the unary requests
         self.watch_clients = [
-            etcd3gw.client(host=h, port=p, timeout=REQUEST_TIMEOUT_S, api_path="/v3/")
+            etcd3gw.client(
+                host=h,
+                port=p,
+                timeout=REQUEST_TIMEOUT_S,
+                api_path="/v3/",
+                protocol=security.protocol,
+                cert_cert=security.cert,
+                cert_key=security.key,
+            )
             for h, p in self.endpoints
         ]  # the watches (etcd3gw's clients)
         for c in self.watch_clients:
             # No proxy or ~/.netrc from the environment: the endpoints are the cluster's members,
             # and requests looks for both on every call (a file lookup per request).
             c.session.trust_env = False
+            if security.tls:
+                c.session.verify = security.requests_verify()
         self.current = 0  # the endpoint that answered last: the next call starts there
         self._wait_s = REQUEST_TIMEOUT_S  # how long a request waits for its answer (`_call`)
         self._timeout = timeout
@@ -130,7 +167,7 @@ class EtcdStore(dist.Store):
     # -- plumbing -------------------------------------------------------------------------
 
     def clone(self) -> EtcdStore:
-        return EtcdStore(self.endpoints, self._timeout)
+        return EtcdStore(self.endpoints, self._timeout, self.security)
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self._timeout = timeout
@@ -180,12 +217,15 @@ class EtcdStore(dist.Store):
                     self._wait_s = min(2 * self._wait_s, UNREACHABLE_S)
                     continue
                 except (exceptions.ConnectionFailedError, exceptions.InternalServerError) as e:
-                    errors.append(f"{self.endpoints[k][0]}:{self.endpoints[k][1]}: {type(e).__name__}")
+                    errors.append(
+                        f"{self.endpoints[k][0]}:{self.endpoints[k][1]}: {type(e).__name__} ({etcd_message(e)})"
+                    )
                     continue
                 except exceptions.WatchTimedOut:
                     raise  # a watch's slice ended: the caller's loop
                 except exceptions.Etcd3Exception as e:  # an answer, and a refusal (an expired lease, ...)
-                    raise dist.DistStoreError(f"etcd refused {what}: {_refusal(e)}") from e
+                    refused = access_error(what, e, self.security)  # TLS, login, permissions
+                    raise refused or dist.DistStoreError(f"etcd refused {what}: {_refusal(e)}") from e
                 self.current, self.answered_sent_at = k, sent
                 if unary:  # (its latency from when it left this process, not from its turn's wait)
                     sent = self._http[k].sent_at
@@ -195,16 +235,81 @@ class EtcdStore(dist.Store):
                     _SLOWEST.note(sent, took)
                 return out
             if time.monotonic() + pause > deadline:
+                hint = ""
+                if not self.security.tls and errors and all("RemoteDisconnected" in e for e in errors):
+                    hint = (
+                        " (every member closed the connection unanswered, as one that speaks TLS does to "
+                        "plain HTTP: https:// endpoints, or protocol=https?)"
+                    )
                 raise dist.DistNetworkError(
-                    f"etcd unreachable for {what} for {budget:g} s: {'; '.join(errors)}"
+                    f"etcd unreachable for {what} for {budget:g} s: {'; '.join(errors)}{hint}"
                 )
             time.sleep(pause)  # back-off between rounds (what ends the loop is an answer or the budget)
             pause = min(0.5, pause * 2)
 
     def _post(self, path: str, payload: dict[str, Any], what: str) -> dict[str, Any]:
+        from etcd3gw import exceptions
+
         body = json.dumps(payload, separators=(",", ":")).encode()
         turn_s = self._timeout.total_seconds()
-        return self._call(what, lambda k, wait_s: self._http[k].post(path, body, wait_s, turn_s))
+
+        def send(k: int, wait_s: float) -> dict[str, Any]:
+            ep = self._http[k]
+            token = self.token(k, wait_s)
+            try:
+                return ep.post(path, body, wait_s, turn_s, token)
+            except exceptions.Etcd3Exception as e:
+                if token is None or not token_refused(e):
+                    raise
+            # An expired token: one new login, and the request once more (a second refusal is raised).
+            return ep.post(path, body, wait_s, turn_s, self.renew_token(token, k, wait_s))
+
+        return self._call(what, send)
+
+    def api(self, path: str, payload: dict[str, Any], what: str) -> dict[str, Any]:
+        """etcd's answer to one request of its v3 JSON API that the store's methods do not
+        make (`path`: '/auth/user/add', ...; a test's or a benchmark's set-up of a cluster)."""
+        return self._post(path, payload, what)
+
+    def token(self, k: int, wait_s: float = REQUEST_TIMEOUT_S) -> str | None:
+        """The login's token for a request (None: no login), logging in through endpoint `k`
+        if this process has none yet. A refused login is an `EtcdAccessError`."""
+        if self._login is None:
+            return None
+        return self._login.token(self._authenticate(k, wait_s))
+
+    def renew_token(self, stale: str, k: int, wait_s: float = REQUEST_TIMEOUT_S) -> str:
+        """A new token in place of `stale`, which etcd no longer takes (logging in again
+        through endpoint `k`, unless another thread already did)."""
+        assert self._login is not None
+        return self._login.renew(stale, self._authenticate(k, wait_s))
+
+    def _authenticate(self, k: int, wait_s: float) -> Callable[[bytes], dict[str, Any]]:
+        turn_s = self._timeout.total_seconds()
+        return lambda body: self._http[k].post("/auth/authenticate", body, wait_s, turn_s, None)
+
+    def check_access(self, prefix: str) -> None:
+        """Whether this client may read and write the keys under `prefix`, in one request
+        that writes nothing: a transaction whose compare never holds, with a put under the
+        prefix in the branch not taken and a read of the prefix in the other (etcd checks the
+        permissions of both). A refusal is an `EtcdAccessError` naming the cause; a cluster
+        that does not answer, a `DistNetworkError`."""
+        probe = b64(prefix)
+        self._txn(
+            [{"key": probe, "result": "LESS", "target": "VERSION", "version": "0"}],
+            [{"request_put": {"key": b64(prefix + "access-check"), "value": b64("")}}],
+            [
+                {
+                    "request_range": {
+                        "key": probe,
+                        "range_end": b64(prefix_end(prefix)),
+                        "keys_only": True,
+                        "limit": "1",
+                    }
+                }
+            ],
+            f"read and write under {prefix!r} (an access check that writes nothing)",
+        )
 
     def close(self) -> None:
         """Close the connections (a store dropped without this closes them when collected)."""
@@ -467,6 +572,9 @@ class EtcdStore(dist.Store):
     def _watch_once(self, k: int, wait_s: float, key: str, timeout: float, rev: int) -> Any:
         client = self.watch_clients[k]
         cast(Any, client).timeout = (REQUEST_TIMEOUT_S, wait_s)  # (connect, read): requests takes both
+        token = self.token(k, wait_s)
+        if token is not None:  # (a token etcd no longer takes is renewed by the next read's request)
+            client.session.headers["Authorization"] = token
         return client.watch_once(key, timeout=timeout, start_revision=rev)
 
     def queue_push(self, key: str, value: str | bytes) -> None:
@@ -516,17 +624,18 @@ _SLOWEST = _Slowest()
 
 class _Endpoint:
     """One member's JSON gateway for unary requests, over one kept-alive HTTP/1.1 connection
-    (``http.client``). A request costs the client about 0.2 ms of CPU on the 2-core test
+    (``http.client``; over TLS with `EtcdSecurity.tls`, the member's certificate and name
+    verified). A request costs the client about 0.2 ms of CPU on the 2-core test
     machine, where `requests` (under etcd3gw) spent 0.9 ms on its session's machinery
     (cookies, proxies, hooks, URL parsing): 1,024 emulated nodes' clients on 2 cores ran out of
     CPU on that, and on a training host it is CPU taken from the job. Failures are etcd3gw's
     exceptions, as `EtcdStore._call` expects: no connection (ConnectionFailedError), no answer
     in time (ConnectionTimeoutError; the connection is dropped, so a late answer is never read
     as the next request's), an HTTP error status (its class by code, etcd's JSON message as
-    its detail)."""
+    its detail), and a TLS handshake refused for good (`EtcdAccessError`, not tried again)."""
 
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
+    def __init__(self, host: str, port: int, security: EtcdSecurity) -> None:
+        self.host, self.port, self.security = host, port, security
         self._conn: http.client.HTTPConnection | None = None
         self._turn = _turns(host, port)
         self.sent_at = 0.0  # when the last request left (after its turn came)
@@ -537,11 +646,11 @@ class _Endpoint:
             self._conn.close()
             self._conn = None
 
-    def post(self, path: str, body: bytes, wait_s: float, turn_s: float) -> dict[str, Any]:
-        """The answer to one request: sent once one of the process's `INFLIGHT_PER_MEMBER`
-        turns at this member is free (waiting for one at most `turn_s`: the store's timeout,
-        not the unreachable budget, which the caller extends by this wait), then waited for
-        `wait_s`."""
+    def post(self, path: str, body: bytes, wait_s: float, turn_s: float, token: str | None) -> dict[str, Any]:
+        """The answer to one request (with `token`: etcd's login, as its Authorization
+        header): sent once one of the process's `INFLIGHT_PER_MEMBER` turns at this member is
+        free (waiting for one at most `turn_s`: the store's timeout, not the unreachable
+        budget, which the caller extends by this wait), then waited for `wait_s`."""
         from etcd3gw import exceptions
 
         t0 = time.monotonic()
@@ -552,20 +661,42 @@ class _Endpoint:
             raise exceptions.ConnectionTimeoutError(
                 f"no turn in {turn_s:g} s: {INFLIGHT_PER_MEMBER} requests of this process in flight"
             )
+        # (With an Accept header, as every HTTP client sends: without one, etcd 3.4 does not see a
+        # request as its gateway's, and takes the CN of the member certificate as its user.)
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if token is not None:
+            headers["Authorization"] = token
         try:
-            return self._post(path, body, wait_s)
+            return self._post(path, body, wait_s, headers)
         finally:
             self._turn.release()
 
-    def _post(self, path: str, body: bytes, wait_s: float) -> dict[str, Any]:
+    def _connection(self) -> http.client.HTTPConnection:
+        if self.security.tls:
+            return http.client.HTTPSConnection(
+                self.host, self.port, timeout=REQUEST_TIMEOUT_S, context=self.security.ssl_context
+            )
+        return http.client.HTTPConnection(self.host, self.port, timeout=REQUEST_TIMEOUT_S)
+
+    def _refused_tls(self, e: ssl.SSLError) -> None:
+        refused = tls_error(e, f"{self.host}:{self.port}", self.security)
+        if refused is not None:
+            self.close()
+            raise refused from e
+
+    def _post(self, path: str, body: bytes, wait_s: float, headers: dict[str, str]) -> dict[str, Any]:
         from etcd3gw import exceptions
 
         for attempt in range(2):
             kept = self._conn is not None  # a kept-alive connection the member may have closed
             if self._conn is None:
-                self._conn = http.client.HTTPConnection(self.host, self.port, timeout=REQUEST_TIMEOUT_S)
+                self._conn = self._connection()
                 try:
                     self._conn.connect()
+                except ssl.SSLError as e:
+                    self._refused_tls(e)
+                    self.close()
+                    raise exceptions.ConnectionFailedError(f"connecting: {e}") from e
                 except TimeoutError as e:
                     self.close()
                     raise exceptions.ConnectionTimeoutError(f"connecting: {e}") from e
@@ -575,9 +706,15 @@ class _Endpoint:
             conn = self._conn
             try:
                 cast(socket.socket, conn.sock).settimeout(wait_s)
-                conn.request("POST", "/v3" + path, body, {"Content-Type": "application/json"})
+                conn.request("POST", "/v3" + path, body, headers)
                 resp = conn.getresponse()
                 data = resp.read()
+            except ssl.SSLError as e:  # TLS 1.3: a refused client certificate is heard here
+                self._refused_tls(e)
+                self.close()
+                if kept and attempt == 0:
+                    continue
+                raise exceptions.ConnectionFailedError(f"{type(e).__name__}: {e}") from e
             except TimeoutError as e:
                 self.close()
                 raise exceptions.ConnectionTimeoutError(f"no answer in {wait_s:.3g} s") from e
@@ -618,11 +755,7 @@ def _http_errors() -> dict[int, type[Exception]]:
 def _refusal(e: Exception) -> str:
     """An etcd refusal in words: the gateway's JSON error ("etcdserver: requested lease not
     found"), not only the HTTP reason ("Not Found")."""
-    text = getattr(e, "detail_text", None)
-    try:
-        detail = json.loads(text)["message"] if text else None
-    except (ValueError, KeyError, TypeError):
-        detail = text[:200] if isinstance(text, str) else None
+    detail = etcd_message(e) if getattr(e, "detail_text", None) else None
     return f"{type(e).__name__}: {e}" + (f" ({detail})" if detail else "")
 
 
@@ -642,4 +775,4 @@ def prefix_end(prefix: str) -> bytes:
     return b"\0"
 
 
-__all__ = ["EtcdStore", "b64", "jittered", "parse_endpoints", "prefix_end", "unb64"]
+__all__ = ["EtcdAccessError", "EtcdStore", "b64", "jittered", "parse_endpoints", "prefix_end", "unb64"]

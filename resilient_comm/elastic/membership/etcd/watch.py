@@ -5,6 +5,8 @@ each node agent (`node`) on etcd.
 (an agent's events). `DeleteWatch`: one key's delete (an agent's ring successor's record,
 which etcd deletes when the node's lease expires). Each stream has a thread and a connection
 of its own, TCP keepalive on its socket, and is opened again on the next endpoint when it ends.
+On a secured cluster (`etcd.security`) a stream carries the process's login token; a stream
+etcd cancels for a stale token is opened again with a new one.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from resilient_comm.elastic.membership.etcd.security import EtcdAccessError, token_refused
 from resilient_comm.elastic.membership.etcd.store import (
     REQUEST_TIMEOUT_S,
     EtcdStore,
@@ -66,23 +69,35 @@ class _Stream:
         k = self._store.current
         while not self._closed.is_set():
             c = self._store.watch_clients[k]
+            pause = 0.2  # between streams: an election, or a member going away
             try:
                 # hasleader (gRPC metadata through the gateway): a member that loses its leader
                 # ends the stream, rather than holding it open with nothing new to send.
+                headers = {"Grpc-Metadata-hasleader": "true"}
+                token = self._store.token(k)
+                if token is not None:
+                    headers["Authorization"] = token
                 self._resp = resp = c.session.post(
                     c.get_url("/watch"),
                     json={"create_request": self._create()},
                     stream=True,
                     timeout=(REQUEST_TIMEOUT_S, None),
-                    headers={"Grpc-Metadata-hasleader": "true"},
+                    headers=headers,
                 )
                 self.opened += 1
                 _keepalive(resp)
                 if self._closed.is_set():
                     break
                 for line in resp.iter_lines():
-                    if line.strip() and not self._chunk(json.loads(line)):
+                    if not line.strip():
+                        continue
+                    chunk = json.loads(line)
+                    self._refused(chunk, token, k)
+                    if not self._chunk(chunk):
                         break
+            except EtcdAccessError as e:  # a login refused: the waiters' reads raise it too
+                log.warning("etcd watch of %r cannot be opened: %s", self._what, e)
+                pause = 2.0  # a login costs the cluster a bcrypt hash: not five a second
             except Exception as e:
                 log.debug("etcd watch of %r on %s:%d ended: %s", self._what, *self._store.endpoints[k], e)
             finally:
@@ -90,7 +105,20 @@ class _Stream:
                     with contextlib.suppress(Exception):
                         self._resp.close()
             k = (k + 1) % len(self._store.watch_clients)
-            self._closed.wait(0.2)  # between streams: an election, or a member going away
+            self._closed.wait(pause)
+
+    def _refused(self, chunk: dict[str, Any], token: str | None, k: int) -> None:
+        """A stream etcd cancelled for this client's access: a stale token is renewed (the
+        next stream carries the new one); a permission refused is logged (the waiters' reads,
+        which raise it, say so to the caller)."""
+        result = chunk.get("result")
+        reason = str(result.get("cancel_reason") or "") if isinstance(result, dict) else ""
+        if not reason:
+            return
+        if token is not None and token_refused(reason):
+            self._store.renew_token(token, k)
+        else:
+            log.warning("etcd cancelled the watch of %r: %s", self._what, reason)
 
 
 class PrefixWatch(_Stream):
