@@ -305,3 +305,42 @@ def test_a_job_on_the_secured_etcd_recovers_from_a_sigkill(secured: Secured, tmp
     assert [e["rank"] for e in read_events(events) if e["event"] == "kill"] == [2]
     kept = secured.store("e2e").items("rc/e2e/g0/e/")
     assert any(k.endswith("/decision") for k, _ in kept), "the job's decisions are not on the secured etcd"
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_on_the_secured_etcd_is_fenced_when_its_lease_is_dropped(secured: Secured) -> None:
+    """Fencing over TLS with a login: a node agent on the job's prefix holds its lease through
+    the secured member; when the store drops the lease (revoked here, as an expiry after a long
+    stall would), the agent is fenced within a keepalive period and its record goes."""
+    from resilient_comm.elastic import DetectorConfig
+    from resilient_comm.elastic.node.agent import NodeAgent
+
+    cfg = DetectorConfig(heartbeat_s=0.02, silence_floor_s=0.3, straggler_floor_s=0.3, slow_factor=10.0)
+    m = Membership(secured.store(), "rc/job/fence")
+    a = NodeAgent(m, 0, 1, nproc=1, config=cfg, lease_s=3.0)
+    a.add(0, 0)
+    a.hello(0, cfg)
+    store: Any = m.store
+
+    def drive(until: Any, timeout_s: float) -> float:
+        t0, seq = time.monotonic(), 0
+        while not until():
+            assert time.monotonic() - t0 < timeout_s, "the condition was not reached in time"
+            seq += 1
+            for p in list(a.procs.values()):
+                a.on_beat(p, f"{seq} 4 compute 1.0 10.0 0.1", time.monotonic())  # a healthy worker's beat
+            a.tick()
+            time.sleep(a.next_tick_in())  # pacing the fake worker's beats
+        return time.monotonic() - t0
+
+    try:
+        a.start()
+        drive(lambda: m.node_record(0) is not None, 10)
+        lease = store.kv_range(m.key("node", 0))["kvs"][0]["lease"]
+        store._post("/lease/revoke", {"ID": lease}, "revoke the node's lease")
+        took = drive(lambda: a.fenced is not None, 10)
+        assert took < 1.5, f"fenced {took:.1f} s after the lease was dropped"
+        assert "lease expired" in (a.fenced or ""), a.fenced
+        assert m.node_record(0) is None
+    finally:
+        a.stop()
