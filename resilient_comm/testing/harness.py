@@ -15,11 +15,12 @@ import datetime
 import multiprocessing as mp
 import os
 import signal
+import subprocess
 import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import IO, Any, Self
 
 import torch.distributed as dist
 
@@ -228,6 +229,16 @@ def all_reduce_until_failure(
                 store.set(f"looping/{rank}", "1")
     except catch as e:
         return f"{type(e).__name__}: {e}", time.time()
+
+
+def end_all(procs: Iterable[subprocess.Popen], files: Iterable[IO[Any]] = ()) -> None:
+    """A test's cleanup: kill and reap whichever of `procs` still run, then close `files`."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    for f in files:
+        f.close()
 
 
 def wait_for(cond: Callable[[], Any], what: str, timeout_s: float = 60.0) -> None:

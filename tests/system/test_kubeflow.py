@@ -20,7 +20,7 @@ import torch
 
 from resilient_comm.testing import toy
 from resilient_comm.testing.cluster import NetnsCluster, available
-from resilient_comm.testing.harness import same_state
+from resilient_comm.testing.harness import end_all, same_state
 
 WHY = available()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"multi-node tests need namespaces and etcd: {WHY}")
@@ -55,12 +55,7 @@ def test_a_trainjobs_pet_variables_alone_start_a_two_node_job(tmp_path: Any) -> 
                     status[i] = None
             took = time.monotonic() - start
         finally:
-            for p in procs.values():
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            for f in logs.values():
-                f.close()
+            end_all(procs.values(), logs.values())
     text = {i: (tmp_path / f"node{i}.log").read_text(errors="replace") for i in range(NODES)}
     assert status == {0: 0, 1: 0}, {i: text[i][-3000:] for i in status}
     print(f"[kubeflow] PET_* only: 2 nodes x {PER_NODE} workers, {STEPS} steps, both launchers exited 0 in {took:.1f} s")

@@ -27,7 +27,7 @@ from resilient_comm.elastic.membership.etcd.store import EtcdStore
 from resilient_comm.elastic.node.launcher import SHUTDOWN_BOUND_S
 from resilient_comm.elastic.node.lease import fence_after_s, tolerated_outage_s
 from resilient_comm.testing.cluster import NetnsCluster, available
-from resilient_comm.testing.harness import same_state
+from resilient_comm.testing.harness import end_all, same_state
 from resilient_comm.testing.toy import read_events
 
 WHY = available()
@@ -491,12 +491,7 @@ def test_identical_commands_on_the_c10d_store_host_it_where_the_endpoint_is(tmp_
             assert all(same_state(f["state"], finals[0]["state"]) for f in finals.values())
             print(f"[nodes] c10d, identical commands: places {places}; node place 1 lost, spares {spares} placed")
         finally:
-            for p in procs.values():
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            for f in logs.values():
-                f.close()
+            end_all(procs.values(), logs.values())
 
 
 def dist_store(host: str, port: int) -> Any:
